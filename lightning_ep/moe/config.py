@@ -1,0 +1,116 @@
+"""``MoEConfig``: the SageMaker model-parallel v2 MoE configuration, plus a few options beyond it.
+
+The parallel layout (expert-parallel degree, replicate degree) is deliberately not here: it is an
+argument of the strategy and of ``init_mesh``. This file is pure Python and validates eagerly, so a
+bad value fails when the config is built, long before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+LoadBalancing = Literal["sinkhorn", "aux_loss", "balanced", "none"]
+RouterDtype = Literal["float32", "float64"]
+DropPolicy = Literal["probs", "position"]
+
+LOAD_BALANCING_MODES: tuple[str, ...] = get_args(LoadBalancing)
+ROUTER_DTYPES: tuple[str, ...] = get_args(RouterDtype)
+DROP_POLICIES: tuple[str, ...] = get_args(DropPolicy)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """How the MoE layers route, balance and exchange tokens.
+
+    The first seven fields mirror ``smp.nn.moe.MoEConfig`` of SageMaker model parallelism v2, with
+    its defaults; the rest are this library's extensions.
+
+    Args:
+        smp_moe: replace the model's MoE blocks with this library's ``MoELayer``. ``False`` leaves
+            the model untouched (no expert parallelism).
+        random_seed: seed of every random choice inside MoE layers. Choices local to a rank (router
+            jitter) use ``random_seed + ep_rank``; choices shared by an expert-parallel group (the
+            global token shuffle) use ``random_seed``. The global torch RNG is never used.
+        moe_load_balancing: ``"sinkhorn"`` selects experts by top-k of Sinkhorn-normalised scores in
+            training; ``"aux_loss"`` adds the Switch/GShard load-balancing loss; ``"balanced"`` is
+            auxiliary-loss-free balancing: a per-expert bias added to the scores for selection
+            only, moved once per optimizer step towards equal load (DeepSeek-V3); ``"none"`` routes
+            by plain top-k and adds nothing.
+        global_token_shuffle: permute tokens across the ranks of an expert-parallel group before
+            routing (with a permutation drawn from ``random_seed``), and restore the order after.
+        moe_all_to_all_dispatcher: ``True`` exchanges tokens with all-to-all; ``False`` gathers
+            every token of the group on every rank and reduce-scatters the outputs.
+        moe_aux_loss_coeff: weight of the load-balancing loss (used with ``"aux_loss"``).
+        moe_z_loss_coeff: weight of the router z-loss ``mean(logsumexp(logits)^2)``; 0 disables it.
+        router_dtype: dtype of the router's logits, softmax and Sinkhorn (never lower than fp32).
+        sinkhorn_iterations: fixed number of Sinkhorn iterations (fixed, so no host sync).
+        balance_update_rate: step size of the ``"balanced"`` bias update.
+        capacity_factor: ``None`` is dropless. Otherwise each expert takes at most
+            ``ceil(capacity_factor * tokens * top_k / num_experts)`` assignments per rank; the rest
+            are dropped (the token passes through the residual path) and counted.
+        drop_policy: which assignments survive when an expert is over capacity: ``"probs"`` keeps
+            the highest routing weights, ``"position"`` the earliest tokens.
+    """
+
+    smp_moe: bool = True
+    random_seed: int = 12345
+    moe_load_balancing: LoadBalancing = "sinkhorn"
+    global_token_shuffle: bool = False
+    moe_all_to_all_dispatcher: bool = True
+    moe_aux_loss_coeff: float = 0.001
+    moe_z_loss_coeff: float = 0.001
+    router_dtype: RouterDtype = "float32"
+    sinkhorn_iterations: int = 30
+    balance_update_rate: float = 0.001
+    capacity_factor: float | None = None
+    drop_policy: DropPolicy = "probs"
+
+    def __post_init__(self) -> None:
+        for name in ("smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"MoEConfig.{name} must be a bool, got {value!r} ({type(value).__name__}).")
+        _check_int("random_seed", self.random_seed, minimum=0)
+        _check_int("sinkhorn_iterations", self.sinkhorn_iterations, minimum=1)
+        _check_choice("moe_load_balancing", self.moe_load_balancing, LOAD_BALANCING_MODES)
+        _check_choice("router_dtype", self.router_dtype, ROUTER_DTYPES)
+        _check_choice("drop_policy", self.drop_policy, DROP_POLICIES)
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "balance_update_rate"):
+            _check_float(name, getattr(self, name), allow_zero=True)
+        if self.capacity_factor is not None:
+            _check_float("capacity_factor", self.capacity_factor, allow_zero=False)
+
+    @property
+    def aux_loss_active(self) -> bool:
+        """Whether the load-balancing loss reaches the gradients."""
+        return self.moe_load_balancing == "aux_loss" and self.moe_aux_loss_coeff > 0
+
+    @property
+    def z_loss_active(self) -> bool:
+        """Whether the router z-loss reaches the gradients."""
+        return self.moe_z_loss_coeff > 0
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"MoEConfig.{name} must be an int, got {value!r} ({type(value).__name__}); "
+            f"pass a whole number >= {minimum}."
+        )
+    if value < minimum:
+        raise ValueError(f"MoEConfig.{name} must be >= {minimum}, got {value}.")
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"MoEConfig.{name}={value!r} is not supported; choose one of {list(allowed)}.")
+
+
+def _check_float(name: str, value: object, *, allow_zero: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"MoEConfig.{name} must be a float, got {value!r} ({type(value).__name__}).")
+    bound = ">= 0" if allow_zero else "> 0"
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"MoEConfig.{name} must be a finite number {bound}, got {value!r}.")

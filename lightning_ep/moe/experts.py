@@ -1,0 +1,146 @@
+"""SwiGLU experts on 3-D weights in the Hugging Face layout, run as one grouped GEMM.
+
+Legend: N routed rows (sorted by expert), H hidden size, I expert width, L experts held here
+(all experts on one process, ``E / degree`` under expert parallelism).
+
+Weights: ``gate_up_proj [L, 2I, H]`` (gate rows first, then up rows) and ``down_proj [L, H, I]``,
+so expert ``e`` computes ``down_proj[e] @ (act(gate_e x) * up_e x)``. Under expert parallelism the
+weights are DTensors sharded on the expert dim; the local shard is what this module multiplies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (differentiably), or ``p`` itself."""
+    if DTensor is not None and isinstance(p, DTensor):
+        return p.to_local()
+    return p
+
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``grouped_mm`` runs for these operands: dtype and device supported, rows 16-byte aligned."""
+    if _GROUPED_MM is None:
+        return False
+    if x.device.type == "cuda":
+        dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+    elif x.device.type == "cpu":
+        dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    else:
+        return False
+    if x.dtype not in dtypes or any(w.dtype != x.dtype for w in weights):
+        return False
+    align = 16 // x.element_size()
+    return all(dim % align == 0 for w in weights for dim in w.shape[1:])
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts of one MoE layer. Owns ``gate_up_proj`` and ``down_proj`` (the very same
+    ``Parameter`` objects as the Hugging Face experts module it replaces).
+
+    Args:
+        gate_up_proj: ``[E, 2I, H]``.
+        down_proj: ``[E, H, I]``.
+        act_fn: the activation applied to the gate half (SiLU for Mixtral).
+        use_grouped_mm: ``None`` picks ``grouped_mm`` whenever it runs for the operands, ``False``
+            forces the per-expert loop, ``True`` requires ``grouped_mm`` (error if it cannot run).
+    """
+
+    def __init__(
+        self,
+        gate_up_proj: nn.Parameter,
+        down_proj: nn.Parameter,
+        act_fn: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        use_grouped_mm: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if gate_up_proj.ndim != 3 or down_proj.ndim != 3:
+            raise ValueError(
+                f"expert weights must be 3-D, got gate_up_proj {tuple(gate_up_proj.shape)} and "
+                f"down_proj {tuple(down_proj.shape)}."
+            )
+        num_experts, two_i, hidden = gate_up_proj.shape
+        if down_proj.shape != (num_experts, hidden, two_i // 2) or two_i % 2:
+            raise ValueError(
+                f"expert weights do not match: gate_up_proj {tuple(gate_up_proj.shape)} needs down_proj "
+                f"{(num_experts, hidden, two_i // 2)}, got {tuple(down_proj.shape)}."
+            )
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+        self.act_fn = act_fn
+        self.use_grouped_mm = use_grouped_mm
+
+    @property
+    def num_experts(self) -> int:
+        """Global number of experts (the first dim of the global weight shape)."""
+        return self.gate_up_proj.shape[0]
+
+    def forward(self, x_NH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        """Run each local expert on its contiguous block of rows.
+
+        Args:
+            x_NH: rows sorted by local expert.
+            counts_L: rows per local expert (int, on any device), summing to ``N``.
+        Returns:
+            ``[N, H]`` expert outputs, in the order of ``x_NH``.
+        """
+        w1_LFH = local_tensor(self.gate_up_proj)  # F = 2I
+        w2_LHI = local_tensor(self.down_proj)
+        if counts_L.shape[0] != w1_LFH.shape[0]:
+            raise RuntimeError(
+                f"got token counts for {counts_L.shape[0]} experts, but {w1_LFH.shape[0]} are held here."
+            )
+        grouped = grouped_mm_supported(x_NH, w1_LFH, w2_LHI)
+        if self.use_grouped_mm and not grouped:
+            raise RuntimeError(
+                f"use_grouped_mm=True but grouped_mm cannot run for dtype {x_NH.dtype} on {x_NH.device.type} "
+                f"with weights {tuple(w1_LFH.shape)}; use_grouped_mm=None falls back to a loop."
+            )
+        if grouped and self.use_grouped_mm is not False:
+            return _grouped_forward(x_NH, counts_L, w1_LFH, w2_LHI, self.act_fn)
+        return _loop_forward(x_NH, counts_L, w1_LFH, w2_LHI, self.act_fn)
+
+
+def _grouped_forward(
+    x_NH: torch.Tensor,
+    counts_L: torch.Tensor,
+    w1_LFH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    assert _GROUPED_MM is not None
+    offsets_L = torch.cumsum(counts_L.to(device=x_NH.device), dim=0).to(torch.int32)
+    h_NF = _GROUPED_MM(x_NH, w1_LFH.transpose(-2, -1), offs=offsets_L)
+    gate_NI, up_NI = h_NF.chunk(2, dim=-1)
+    a_NI = act_fn(gate_NI) * up_NI
+    return _GROUPED_MM(a_NI, w2_LHI.transpose(-2, -1), offs=offsets_L)
+
+
+def _loop_forward(
+    x_NH: torch.Tensor,
+    counts_L: torch.Tensor,
+    w1_LFH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    # One host read of the counts. Every expert runs, even on zero rows, so each weight slice is
+    # in the graph and gets a zero gradient rather than none.
+    outputs = []
+    for e, x_nH in enumerate(torch.split(x_NH, counts_L.tolist())):
+        gate_nI, up_nI = F.linear(x_nH, w1_LFH[e]).chunk(2, dim=-1)
+        outputs.append(F.linear(act_fn(gate_nI) * up_nI, w2_LHI[e]))
+    return torch.cat(outputs, dim=0)

@@ -1,0 +1,147 @@
+"""``MoELayer``: route -> dispatch -> experts -> combine, the drop-in for a Hugging Face MoE block.
+
+Legend: B batch, S sequence, T = B * S tokens on this rank, H hidden size, E experts, K experts
+per token, M rows received by the local experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_ep.moe.config import MoEConfig
+from lightning_ep.moe.dispatch import Dispatcher, LocalDispatcher
+from lightning_ep.moe.experts import GroupedExperts
+from lightning_ep.moe.losses import attach_losses, load_balancing_loss, z_loss
+from lightning_ep.moe.rng import DrawCounter, in_backward, make_generator
+from lightning_ep.moe.router import TopKRouter
+
+_JITTER_STREAM = 0
+_SHUFFLE_STREAM = 1
+
+
+class MoELayer(nn.Module):
+    """A sparse MoE block: a top-k router (``gate``), routed experts (``experts``) and the
+    dispatcher that moves tokens between them.
+
+    The child names ``gate`` and ``experts`` match the Hugging Face block's, and their parameters
+    are the block's own ``Parameter`` objects, so state-dict keys, shapes and values are unchanged.
+
+    After each forward the layer holds, for logging and balancing:
+
+    - ``aux_loss``: the load-balancing loss of this rank's tokens (0-dim, detached, unweighted);
+    - ``z_loss``: the router z-loss (0-dim, detached, unweighted);
+    - ``tokens_per_expert``: int64 ``[E]``, tokens this rank routed to each global expert.
+
+    The weighted losses reach the gradients by themselves (see ``losses.attach_losses``); their
+    gradient is multiplied by ``loss_scale`` (set it to ``1 / accumulate_grad_batches`` under
+    gradient accumulation, or to the loss scale of a ``GradScaler``).
+
+    Args:
+        gate: the router.
+        experts: the routed experts (local shard under expert parallelism).
+        config: balancing, seeds and coefficients.
+        jitter_noise: multiplicative input jitter in training (Mixtral's ``router_jitter_noise``):
+            ``x *= U(1 - j, 1 + j)``, applied to what the router and the experts see.
+        layer_index: position among the model's MoE layers; separates the layers' random streams.
+    """
+
+    def __init__(
+        self,
+        gate: TopKRouter,
+        experts: GroupedExperts,
+        config: MoEConfig,
+        *,
+        jitter_noise: float = 0.0,
+        layer_index: int = 0,
+    ) -> None:
+        super().__init__()
+        if gate.num_experts != experts.num_experts:
+            raise ValueError(
+                f"the gate routes to {gate.num_experts} experts but experts holds {experts.num_experts}."
+            )
+        self.gate = gate
+        self.experts = experts
+        self.config = config
+        self.jitter_noise = float(jitter_noise)
+        self.layer_index = layer_index
+        self.loss_scale = 1.0
+        self.dispatcher: Dispatcher = LocalDispatcher(gate.num_experts)
+        self.shuffle = None  # a TokenShuffle when global_token_shuffle is on under expert parallelism
+        self.ep_rank = 0
+        self._draws = DrawCounter()
+        self.aux_loss = torch.zeros(())
+        self.z_loss = torch.zeros(())
+        self.tokens_per_expert = torch.zeros(gate.num_experts, dtype=torch.int64)
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.gate.top_k
+
+    def forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` in, same shape out."""
+        shape = hidden_BSH.shape
+        x_TH = hidden_BSH.reshape(-1, shape[-1])
+        draw_id = self._draws.next_id() if self.training else -1
+        if self.training and self.jitter_noise > 0:
+            x_TH = x_TH * self._jitter(x_TH, draw_id)
+        shuffle_state = None
+        if self.shuffle is not None:
+            x_TH, shuffle_state = self.shuffle.shuffle(
+                x_TH, self._generator(draw_id, x_TH.device, shared=True)
+            )
+
+        routing = self.gate(x_TH)
+        dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK)
+        y_MH = self.experts(dispatched.x_MH, dispatched.counts_L)
+        out_TH = self.dispatcher.combine(y_MH, routing.weights_TK, dispatched)
+
+        out_TH = self._account(
+            out_TH, routing.logits_TE, routing.probs_TE, routing.expert_ids_TK, dispatched.tokens_per_expert_E
+        )
+        if self.shuffle is not None:
+            out_TH = self.shuffle.unshuffle(out_TH, shuffle_state)
+        return out_TH.to(hidden_BSH.dtype).reshape(shape)
+
+    def _account(
+        self,
+        out_TH: torch.Tensor,
+        logits_TE: torch.Tensor,
+        probs_TE: torch.Tensor,
+        expert_ids_TK: torch.Tensor,
+        tokens_per_expert_E: torch.Tensor,
+    ) -> torch.Tensor:
+        """Compute the router losses, keep them and the counts, attach the weighted losses."""
+        aux = load_balancing_loss(probs_TE, expert_ids_TK)
+        zl = z_loss(logits_TE)
+        self.aux_loss = aux.detach()
+        self.z_loss = zl.detach()
+        self.tokens_per_expert = tokens_per_expert_E.detach()
+        if self.training and not in_backward():
+            self.gate.record_load(tokens_per_expert_E)
+        if not self.training:
+            return out_TH
+        aux_weight = self.config.moe_aux_loss_coeff * self.loss_scale if self.config.aux_loss_active else 0.0
+        z_weight = self.config.moe_z_loss_coeff * self.loss_scale if self.config.z_loss_active else 0.0
+        return attach_losses(out_TH, [aux, zl], [aux_weight, z_weight])
+
+    def _generator(self, draw_id: int, device: torch.device, *, shared: bool) -> torch.Generator:
+        seed = self.config.random_seed + (0 if shared else self.ep_rank)
+        stream = _SHUFFLE_STREAM if shared else _JITTER_STREAM
+        return make_generator(seed, (draw_id * 1024 + self.layer_index) * 4 + stream, device)
+
+    def _jitter(self, x_TH: torch.Tensor, draw_id: int) -> torch.Tensor:
+        noise = torch.empty(x_TH.shape, dtype=torch.float32, device=x_TH.device)
+        noise.uniform_(
+            1.0 - self.jitter_noise,
+            1.0 + self.jitter_noise,
+            generator=self._generator(draw_id, x_TH.device, shared=False),
+        )
+        return noise.to(x_TH.dtype)
+
+    def extra_repr(self) -> str:
+        return f"layer_index={self.layer_index}, dispatcher={type(self.dispatcher).__name__}"

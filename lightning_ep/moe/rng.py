@@ -1,0 +1,45 @@
+"""Seeded random streams for MoE layers, independent of the global torch RNG.
+
+A layer asks for a generator per random draw (router jitter, token shuffle). Each draw has an id
+that counts the layer's training forwards, so the stream is reproducible from ``random_seed``
+alone; a forward re-run by activation checkpointing replays the id of the forward it recomputes,
+so it draws the very same numbers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio): spreads nearby seeds apart
+_MASK = (1 << 63) - 1
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. activation checkpointing recomputes)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class DrawCounter:
+    """Numbers the random draws of one layer; recomputation replays the newest unreplayed id."""
+
+    def __init__(self, max_pending: int = 64) -> None:
+        self.count = 0
+        self.pending: deque[int] = deque(maxlen=max_pending)
+
+    def next_id(self) -> int:
+        if in_backward() and self.pending:
+            return self.pending.pop()
+        draw_id = self.count
+        self.count += 1
+        if torch.is_grad_enabled():
+            self.pending.append(draw_id)
+        return draw_id
+
+
+def make_generator(seed: int, stream: int, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded from ``(seed, stream)``; equal inputs give equal streams."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(((seed * _MIX) ^ (stream * 0x2545F4914F6CDD1D + 1)) & _MASK)
+    return generator

@@ -1,0 +1,86 @@
+"""``transform``: replace a Hugging Face model's sparse MoE blocks by ``MoELayer`` in place."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from lightning_ep.models.registry import family_for, find_moe_blocks, replace_module, supported_model_types
+from lightning_ep.moe.config import MoEConfig
+from lightning_ep.moe.layer import MoELayer
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """Every ``MoELayer`` in ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def transform(
+    model: nn.Module, config: MoEConfig | None = None, *, mesh: DeviceMesh | None = None
+) -> nn.Module:
+    """Replace every supported MoE block of ``model`` with a ``MoELayer``, in place.
+
+    The new layers adopt the blocks' own ``Parameter`` objects: parameter names, global shapes and
+    values are unchanged, so ``state_dict()`` and ``save_pretrained`` still match the Hugging Face
+    model (``"balanced"`` mode adds one buffer per layer, ``gate.expert_bias``).
+
+    Args:
+        model: a Hugging Face MoE model (e.g. ``MixtralForCausalLM``), on any device, meta included.
+        config: routing, balancing and dispatch options; ``smp_moe=False`` returns ``model`` untouched.
+        mesh: ``None`` for one process. A mesh from ``init_mesh`` shards the experts on its ``"ep"``
+            axis and exchanges tokens there (see ``lightning_ep.parallel.expert``).
+    Returns:
+        ``model`` itself. Calling it again on a transformed model only applies ``mesh``.
+    """
+    config = config if config is not None else MoEConfig()
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"transform(config=...) must be a MoEConfig, got {type(config).__name__}.")
+    if not config.smp_moe:
+        return model
+    if not moe_layers(model):
+        family = family_for(model)
+        blocks = find_moe_blocks(model, family)
+        if not blocks:
+            raise ValueError(
+                f"transform(model): found no {'/'.join(family.block_classes)} in {type(model).__name__}; "
+                f"supported families: {supported_model_types()}. Is every layer dense?"
+            )
+        for index, (name, block) in enumerate(blocks):
+            layer = family.build_layer(block, model.config, config, index)  # type: ignore[arg-type]
+            _check_same_parameters(name, block, layer)
+            replace_module(model, name, layer)
+        _disable_hf_router_logits(model)
+    if mesh is not None:
+        from lightning_ep.parallel.expert import parallelize_moe_layers
+
+        parallelize_moe_layers(model, mesh)
+    return model
+
+
+def _check_same_parameters(name: str, block: nn.Module, layer: MoELayer) -> None:
+    """Strict check: the layer's parameters are exactly the block's (names, shapes, objects)."""
+    before = dict(block.named_parameters())
+    after = dict(layer.named_parameters())
+    if before.keys() != after.keys() or any(before[k] is not after[k] for k in before):
+        raise RuntimeError(
+            f"adapter bug at {name}: block parameters {sorted(before)} became {sorted(after)}; "
+            "the MoE layer must adopt every parameter of the block under the same name."
+        )
+
+
+def _disable_hf_router_logits(model: nn.Module) -> None:
+    # transformers collects router logits with hooks on its own router class, which MoELayer no
+    # longer calls; the layers attach their own (per-layer) aux loss to the gradients instead.
+    hf_config = getattr(model, "config", None)
+    if getattr(hf_config, "output_router_logits", False):
+        warnings.warn(
+            "transform(model): config.output_router_logits was True; it is set to False because the "
+            "MoE layers add their own load-balancing loss (MoEConfig.moe_aux_loss_coeff) to the gradients.",
+            stacklevel=3,
+        )
+        hf_config.output_router_logits = False  # type: ignore[union-attr]
