@@ -53,6 +53,7 @@ def transform(
         for index, (name, block) in enumerate(blocks):
             layer = family.build_layer(block, model.config, config, index)  # type: ignore[arg-type]
             _check_same_parameters(name, block, layer)
+            layer.train(block.training)
             replace_module(model, name, layer)
         _disable_hf_router_logits(model)
     if mesh is not None:

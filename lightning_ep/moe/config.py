@@ -37,7 +37,7 @@ class MoEConfig:
             training; ``"aux_loss"`` adds the Switch/GShard load-balancing loss; ``"balanced"`` is
             auxiliary-loss-free balancing: a per-expert bias added to the scores for selection
             only, moved once per optimizer step towards equal load (DeepSeek-V3); ``"none"`` routes
-            by plain top-k and adds nothing.
+            by plain top-k and adds no balancing loss. The z-loss is independent of the mode.
         global_token_shuffle: permute tokens across the ranks of an expert-parallel group before
             routing (with a permutation drawn from ``random_seed``), and restore the order after.
         moe_all_to_all_dispatcher: ``True`` exchanges tokens with all-to-all; ``False`` gathers

@@ -11,6 +11,7 @@ weights are DTensors sharded on the expert dim; the local shard is what this mod
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,19 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     if DTensor is not None and isinstance(p, DTensor):
         return p.to_local()
     return p
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; multiplies the gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad * ctx.scale, None
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -57,6 +71,11 @@ class GroupedExperts(nn.Module):
         act_fn: the activation applied to the gate half (SiLU for Mixtral).
         use_grouped_mm: ``None`` picks ``grouped_mm`` whenever it runs for the operands, ``False``
             forces the per-expert loop, ``True`` requires ``grouped_mm`` (error if it cannot run).
+
+    ``grad_scale`` multiplies the weights' gradients. Under expert parallelism of degree ``d`` it is
+    ``1 / d``: tokens of all ``d`` ranks of the group reach an expert, and data parallelism over the
+    remaining ``W / d`` ranks averages by ``W / d`` only, so each expert gradient ends up divided
+    by the world size ``W``, exactly like a dense parameter's.
     """
 
     def __init__(
@@ -74,7 +93,12 @@ class GroupedExperts(nn.Module):
                 f"down_proj {tuple(down_proj.shape)}."
             )
         num_experts, two_i, hidden = gate_up_proj.shape
-        if down_proj.shape != (num_experts, hidden, two_i // 2) or two_i % 2:
+        if two_i % 2:
+            raise ValueError(
+                f"gate_up_proj {tuple(gate_up_proj.shape)} must stack gate and up rows: "
+                "its dim 1 must be even."
+            )
+        if down_proj.shape != (num_experts, hidden, two_i // 2):
             raise ValueError(
                 f"expert weights do not match: gate_up_proj {tuple(gate_up_proj.shape)} needs down_proj "
                 f"{(num_experts, hidden, two_i // 2)}, got {tuple(down_proj.shape)}."
@@ -83,6 +107,7 @@ class GroupedExperts(nn.Module):
         self.down_proj = down_proj
         self.act_fn = act_fn
         self.use_grouped_mm = use_grouped_mm
+        self.grad_scale = 1.0
 
     @property
     def num_experts(self) -> int:
@@ -100,6 +125,9 @@ class GroupedExperts(nn.Module):
         """
         w1_LFH = local_tensor(self.gate_up_proj)  # F = 2I
         w2_LHI = local_tensor(self.down_proj)
+        if self.grad_scale != 1.0 and torch.is_grad_enabled():
+            w1_LFH = _ScaleGrad.apply(w1_LFH, self.grad_scale)
+            w2_LHI = _ScaleGrad.apply(w2_LHI, self.grad_scale)
         if counts_L.shape[0] != w1_LFH.shape[0]:
             raise RuntimeError(
                 f"got token counts for {counts_L.shape[0]} experts, but {w1_LFH.shape[0]} are held here."

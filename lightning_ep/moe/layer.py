@@ -6,6 +6,8 @@ per token, M rows received by the local experts.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -15,6 +17,9 @@ from lightning_ep.moe.experts import GroupedExperts
 from lightning_ep.moe.losses import attach_losses, load_balancing_loss, z_loss
 from lightning_ep.moe.rng import DrawCounter, in_backward, make_generator
 from lightning_ep.moe.router import TopKRouter
+
+if TYPE_CHECKING:
+    from lightning_ep.moe.dispatch_ep import TokenShuffle
 
 _JITTER_STREAM = 0
 _SHUFFLE_STREAM = 1
@@ -67,7 +72,8 @@ class MoELayer(nn.Module):
         self.layer_index = layer_index
         self.loss_scale = 1.0
         self.dispatcher: Dispatcher = LocalDispatcher(gate.num_experts)
-        self.shuffle = None  # a TokenShuffle when global_token_shuffle is on under expert parallelism
+        # A TokenShuffle when global_token_shuffle is on under expert parallelism.
+        self.shuffle: TokenShuffle | None = None
         self.ep_rank = 0
         self._draws = DrawCounter()
         self.aux_loss = torch.zeros(())
@@ -103,7 +109,7 @@ class MoELayer(nn.Module):
         out_TH = self._account(
             out_TH, routing.logits_TE, routing.probs_TE, routing.expert_ids_TK, dispatched.tokens_per_expert_E
         )
-        if self.shuffle is not None:
+        if self.shuffle is not None and shuffle_state is not None:
             out_TH = self.shuffle.unshuffle(out_TH, shuffle_state)
         return out_TH.to(hidden_BSH.dtype).reshape(shape)
 

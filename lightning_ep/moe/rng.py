@@ -33,8 +33,8 @@ class DrawCounter:
             return self.pending.pop()
         draw_id = self.count
         self.count += 1
-        if torch.is_grad_enabled():
-            self.pending.append(draw_id)
+        # Kept even without grad: reentrant checkpointing runs its first forward under no_grad.
+        self.pending.append(draw_id)
         return draw_id
 
 

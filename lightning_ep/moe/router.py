@@ -120,6 +120,17 @@ class TopKRouter(nn.Module):
                 persistent=False,
             )
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # Module.to(dtype) (e.g. Lightning's "bf16-true") must not round the balancing state:
+        # token counts and bias steps of 1e-3 need fp32. Devices still follow the module.
+        if self.mode != "balanced":
+            return super()._apply(fn, recurse)
+        bias, load = self.expert_bias, self.pending_load
+        super()._apply(fn, recurse)
+        self.expert_bias = bias.to(device=self.expert_bias.device)
+        self.pending_load = load.to(device=self.pending_load.device)
+        return self
+
     def forward(self, x_TH: torch.Tensor) -> Routing:
         """Route ``x_TH`` (any float dtype); everything inside runs in the router dtype."""
         logits_TE = F.linear(x_TH.to(self.router_dtype), self.weight.to(self.router_dtype))

@@ -1,0 +1,55 @@
+"""Materialise a Hugging Face MoE model built on the meta device, after transform and sharding."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_ep.moe.experts import GroupedExperts
+from lightning_ep.moe.router import TopKRouter
+
+
+def _std(model: nn.Module) -> float:
+    config = getattr(model, "config", None)
+    return float(getattr(config, "initializer_range", None) or 0.02)
+
+
+@torch.no_grad()
+def init_moe_weights(model: nn.Module) -> None:
+    """Initialise every MoE router and expert weight as Hugging Face does for its own classes:
+    ``normal(0, initializer_range)``; the ``"balanced"`` bias to zero. Works on DTensors."""
+    std = _std(model)
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.mode == "balanced":
+                module.expert_bias.zero_()
+                module.pending_load.zero_()
+        elif isinstance(module, GroupedExperts):
+            nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            nn.init.normal_(module.down_proj, mean=0.0, std=std)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate a meta-device (possibly sharded) model on ``device`` and initialise every weight.
+
+    Dense modules get Hugging Face's own ``initialize_weights`` (linear, embedding, norms, rotary
+    buffers); MoE layers get ``init_moe_weights``. Ranks must share the torch seed so that
+    replicated values agree (DTensor random ops keep shards consistent on CUDA).
+    """
+    model.to_empty(device=device)
+    for module in model.modules():
+        for obj in (module, *module.parameters(recurse=False), *module.buffers(recurse=False)):
+            if hasattr(obj, "_is_hf_initialized"):
+                setattr(obj, "_is_hf_initialized", False)  # noqa: B010
+    initialize = getattr(model, "initialize_weights", None)
+    if callable(initialize):
+        initialize()
+    else:
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    init_moe_weights(model)
+    return model

@@ -1,0 +1,89 @@
+"""Differentiable collectives used by the expert-parallel dispatchers.
+
+Each is a thin ``autograd.Function`` whose backward is the adjoint collective: all-to-all with the
+split sizes swapped, all-gather <-> reduce-scatter (sum). The process group is always an argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Variable-size all-to-all of the rows of ``x``: ``in_splits[j]`` rows go to rank ``j``,
+    ``out_splits[j]`` rows come from rank ``j``. Differentiable."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate the equally shaped ``x`` of every rank along dim 0. Backward: reduce-scatter."""
+    return _AllGather.apply(x, group)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's equal slice of dim 0. Backward: all-gather."""
+    return _ReduceScatter.apply(x, group)
+
+
+def _all_to_all_raw(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def _gather_raw(x: torch.Tensor, group: Any) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_raw(x: torch.Tensor, group: Any) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if x.shape[0] % world:
+        raise RuntimeError(f"reduce_scatter_rows: {x.shape[0]} rows do not split evenly over {world} ranks.")
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+    ) -> torch.Tensor:
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
+        return _all_to_all_raw(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        out_splits, in_splits = ctx.splits
+        return _all_to_all_raw(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _gather_raw(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _reduce_scatter_raw(grad, ctx.group), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_raw(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _gather_raw(grad, ctx.group), None

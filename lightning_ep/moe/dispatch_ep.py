@@ -1,0 +1,159 @@
+"""Expert-parallel dispatchers (all-to-all, all-gather) and the global token shuffle.
+
+Legend: T tokens on this rank, H hidden size, K experts per token, E global experts, D ranks of
+the expert-parallel group, L = E / D experts per rank (rank ``r`` owns experts ``r*L .. r*L+L-1``),
+N = T * K routed rows on this rank, M rows received for the local experts.
+
+The process group is the expert-parallel group, passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_ep.moe.comm import all_gather_rows, all_to_all, reduce_scatter_rows
+from lightning_ep.moe.dispatch import (
+    Dispatched,
+    gather_rows,
+    inverse_permutation,
+    sort_by_expert,
+    weighted_unsort,
+)
+
+
+class AllToAllDispatcher:
+    """Tokens travel to the rank of their expert and back by variable-size all-to-all.
+
+    Forward: sort pairs by expert -> exchange per-expert counts -> one host read of the split
+    sizes -> all-to-all of the rows -> regroup by local expert. Combine: the exact reverse, then
+    the weighted sum over the K choices on the token's own rank.
+    """
+
+    def __init__(self, num_experts: int, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.degree = dist.get_world_size(group)
+        if num_experts % self.degree:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.degree}."
+            )
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.degree
+
+    def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:
+        D, L = self.degree, self.num_local_experts
+        order_N, counts_E = sort_by_expert(expert_ids_TK, self.num_experts)
+        x_NH = gather_rows(x_TH, order_N, expert_ids_TK.shape[1])
+
+        # recv_DL[s, l]: rows that rank s sends to my local expert l.
+        recv_DL = torch.empty_like(counts_E)
+        dist.all_to_all_single(recv_DL, counts_E, group=self.group)
+        recv_DL = recv_DL.view(D, L)
+        splits = torch.cat([counts_E.view(D, L).sum(1), recv_DL.sum(1)]).tolist()  # the one host sync
+        send_splits, recv_splits = splits[:D], splits[D:]
+
+        x_recv_MH = all_to_all(x_NH, recv_splits, send_splits, self.group)
+        # Received rows are ordered (source rank, local expert); regroup them by local expert.
+        segment_M = torch.repeat_interleave(
+            torch.arange(D * L, device=recv_DL.device), recv_DL.reshape(-1), output_size=sum(recv_splits)
+        )
+        regroup_M = torch.argsort(segment_M % L, stable=True)
+        x_MH = x_recv_MH.index_select(0, regroup_M)
+        state = {"order_N": order_N, "regroup_M": regroup_M, "splits": (send_splits, recv_splits)}
+        return Dispatched(x_MH, recv_DL.sum(0), counts_E, state)
+
+    def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        state = dispatched.state
+        send_splits, recv_splits = state["splits"]
+        y_recv_MH = y_MH.index_select(0, inverse_permutation(state["regroup_M"]))
+        y_NH = all_to_all(y_recv_MH, send_splits, recv_splits, self.group)
+        return weighted_unsort(y_NH, state["order_N"], weights_TK)
+
+
+class AllGatherDispatcher:
+    """Every rank gathers all tokens of the group, runs its local experts on the rows routed to
+    them, weights them, and the partial outputs are reduce-scattered back to their ranks.
+
+    Needs the same number of tokens on every rank of the group. One host read (the number of rows
+    for the local experts) per layer.
+    """
+
+    def __init__(self, num_experts: int, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.degree = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if num_experts % self.degree:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.degree}."
+            )
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.degree
+
+    def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:
+        L, K = self.num_local_experts, expert_ids_TK.shape[1]
+        x_all_GH = all_gather_rows(x_TH, self.group)  # G = D * T
+        with torch.no_grad():
+            ids_all_GK = all_gather_rows(expert_ids_TK, self.group)
+            # Local experts get keys 0..L-1, every other expert the key L (sorted last, dropped).
+            local_GK = ids_all_GK - self.rank * L
+            key_N = torch.where((local_GK >= 0) & (local_GK < L), local_GK, L).reshape(-1)
+            order_N = torch.argsort(key_N, stable=True)
+            counts_L = torch.bincount(key_N, minlength=L + 1)[:L]
+            num_rows = int(counts_L.sum())  # the one host sync
+            order_M = order_N[:num_rows]
+        x_MH = gather_rows(x_all_GH, order_M, K)
+        tokens_per_expert_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=self.num_experts)
+        return Dispatched(
+            x_MH, counts_L, tokens_per_expert_E, {"order_M": order_M, "rows": x_all_GH.shape[0]}
+        )
+
+    def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        order_M = dispatched.state["order_M"]
+        K = weights_TK.shape[1]
+        weights_all_N = all_gather_rows(weights_TK, self.group).reshape(-1)
+        weighted_MH = y_MH * weights_all_N.index_select(0, order_M).to(y_MH.dtype)[:, None]
+        partial_GH = y_MH.new_zeros((dispatched.state["rows"], y_MH.shape[1]))
+        partial_GH = partial_GH.index_add(0, torch.div(order_M, K, rounding_mode="floor"), weighted_MH)
+        return reduce_scatter_rows(partial_GH, self.group)
+
+
+class TokenShuffle:
+    """Permute the tokens of an expert-parallel group across its ranks, and put them back.
+
+    The permutation ``P`` of the group's ``D * T`` tokens is drawn from a generator that is seeded
+    alike on every rank, so every rank knows every split size without communicating: new global
+    position ``q`` receives old global token ``P[q]``. Needs the same ``T`` on every rank.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.degree = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def shuffle(self, x_TH: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        """Return this rank's tokens after the permutation, and the state ``unshuffle`` needs."""
+        D, r, T = self.degree, self.rank, x_TH.shape[0]
+        perm = torch.randperm(D * T, generator=generator)  # on the CPU: splits need no device sync
+        dest_of_old = inverse_permutation(perm)  # new position of each old global token
+        mine_old = dest_of_old[r * T : (r + 1) * T]
+        send_order = torch.argsort(mine_old, stable=True)  # my tokens by their new position
+        send_splits = torch.bincount(mine_old // T, minlength=D).tolist()
+        source_of_new = perm[r * T : (r + 1) * T] // T  # source rank of each of my new positions
+        recv_order = torch.argsort(
+            source_of_new, stable=True
+        )  # buffer row i holds new position recv_order[i]
+        recv_splits = torch.bincount(source_of_new, minlength=D).tolist()
+
+        device = x_TH.device
+        send_order, recv_order = send_order.to(device), recv_order.to(device)
+        buffer_TH = all_to_all(x_TH.index_select(0, send_order), recv_splits, send_splits, self.group)
+        state = {"send_order": send_order, "recv_order": recv_order, "splits": (send_splits, recv_splits)}
+        return buffer_TH.index_select(0, inverse_permutation(recv_order)), state
+
+    def unshuffle(self, y_TH: torch.Tensor, state: dict) -> torch.Tensor:
+        """The exact inverse of ``shuffle`` (and its adjoint in backward)."""
+        send_splits, recv_splits = state["splits"]
+        buffer_TH = all_to_all(
+            y_TH.index_select(0, state["recv_order"]), send_splits, recv_splits, self.group
+        )
+        return buffer_TH.index_select(0, inverse_permutation(state["send_order"]))

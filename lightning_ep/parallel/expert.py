@@ -1,0 +1,60 @@
+"""Expert parallelism for the ``MoELayer``s of a model: shard experts on ``ep``, pick dispatchers."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_ep.moe.dispatch import LocalDispatcher
+from lightning_ep.moe.dispatch_ep import AllGatherDispatcher, AllToAllDispatcher, TokenShuffle
+from lightning_ep.moe.layer import MoELayer
+
+
+def parallelize_moe_layers(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard every ``MoELayer``'s expert weights on ``mesh["ep"]`` and wire its dispatcher.
+
+    Each expert weight becomes a DTensor of the same global shape ``[E, ...]``, placed
+    ``Shard(0)`` on the ``ep`` axis: rank ``r`` of the axis keeps experts ``r*L .. r*L+L-1``.
+    Works on meta tensors (nothing is allocated). Idempotent.
+
+    Args:
+        model: a model holding ``MoELayer``s (see ``lightning_ep.transform``).
+        mesh: the world mesh from ``init_mesh``.
+    Raises:
+        ValueError: when a layer's expert count is not divisible by the ``ep`` size.
+    """
+    ep_mesh = mesh["ep"]
+    degree = ep_mesh.size()
+    ep_rank = ep_mesh.get_local_rank()
+    group = ep_mesh.get_group()
+    for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
+        num_experts = layer.num_experts
+        if num_experts % degree:
+            valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+            raise ValueError(
+                f"degree={degree} does not divide the number of experts {num_experts} "
+                f"(layer {layer.layer_index}); choose a degree in {valid}."
+            )
+        local = num_experts // degree
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(layer.experts, name)
+            if isinstance(param, DTensor):
+                continue
+            shard = param.detach()[ep_rank * local : (ep_rank + 1) * local].clone()
+            dtensor = DTensor.from_local(
+                shard, ep_mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+            )
+            setattr(layer.experts, name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+        # All d ranks' tokens reach these experts; FSDP2 averages over the other W / d ranks only.
+        layer.experts.grad_scale = 1.0 / degree
+        config = layer.config
+        if degree == 1:
+            layer.dispatcher = LocalDispatcher(num_experts)
+        elif config.moe_all_to_all_dispatcher:
+            layer.dispatcher = AllToAllDispatcher(num_experts, group)
+        else:
+            layer.dispatcher = AllGatherDispatcher(num_experts, group)
+        layer.shuffle = TokenShuffle(group) if config.global_token_shuffle and degree > 1 else None
+        layer.ep_rank = ep_rank
+    return model

@@ -1,0 +1,94 @@
+"""``shard_model``: FSDP2 for experts (over ``("replicate", "edp")``) and everything else (whole mesh)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_ep.moe.layer import MoELayer
+from lightning_ep.parallel.mesh import dense_mesh, expert_data_mesh
+
+
+def _fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    # A 2-D (replicate, shard) mesh is HSDP; with replicate size 1 the plain 1-D shard mesh is FSDP.
+    return mesh if mesh.size(0) > 1 else mesh[mesh.mesh_dim_names[1]]  # type: ignore[index]
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """Entries of every ``nn.ModuleList`` that holds MoE layers: the transformer's decoder layers."""
+    blocks: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and any(isinstance(m, MoELayer) for m in module.modules()):
+            blocks.extend(module)
+    return blocks
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Apply FSDP2 to a model whose MoE layers were parallelised by ``transform(..., mesh=mesh)``.
+
+    - Each ``MoELayer.experts`` is sharded over ``("replicate", "edp")`` on dim 1 (its expert dim 0
+      stays sharded on ``ep``). FSDP2 averages its gradient over those ``W / d`` ranks; the
+      experts' ``grad_scale = 1 / d`` (set by ``parallelize_moe_layers``) supplies the rest, so it
+      is divided by the world size ``W`` exactly like a dense parameter's gradient.
+    - Each decoder layer, then the root, is sharded over ``("replicate", "shard")``: HSDP when the
+      replicate degree is above 1.
+
+    Every trainable parameter ends up a DTensor; a ``RuntimeError`` says which one did not.
+
+    Args:
+        model: the transformed model (``self.model`` of a LightningModule, never the module itself).
+        mesh: the world mesh from ``init_mesh``.
+        mp_policy: FSDP2 mixed precision (e.g. bf16 params, fp32 reduce).
+        reshard_after_forward: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2).
+    """
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    experts_mesh = _fsdp_mesh(expert_data_mesh(mesh))
+    for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
+        if isinstance(layer.experts, FSDPModule):
+            continue
+        if not isinstance(layer.experts.gate_up_proj, DTensor):
+            raise RuntimeError(
+                "shard_model: the MoE layers are not expert-parallel yet; call "
+                "lightning_ep.transform(model, config, mesh=mesh) before shard_model."
+            )
+        fully_shard(layer.experts, mesh=experts_mesh, shard_placement_fn=lambda p: Shard(1), **kwargs)
+    shard_mesh = _fsdp_mesh(dense_mesh(mesh))
+    for block in decoder_blocks(model):
+        if not isinstance(block, FSDPModule):
+            fully_shard(block, mesh=shard_mesh, **kwargs)
+    if not isinstance(model, FSDPModule):
+        fully_shard(model, mesh=shard_mesh, **kwargs)
+    check_all_sharded(model)
+    return model
+
+
+def check_all_sharded(model: nn.Module) -> None:
+    """Raise if a trainable parameter is not a DTensor: it would never get its gradients synced."""
+    plain = [name for name, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    if plain:
+        raise RuntimeError(
+            f"{len(plain)} trainable parameters are not sharded (their gradients would never be "
+            f"synchronised across ranks), e.g. {plain[:3]}; shard the modules that own them with FSDP2."
+        )
+
+
+def gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn FSDP2 gradient reduction on or off (off on non-final micro-batches of accumulation)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(enabled, recurse=False)
+
+
+__all__ = ["check_all_sharded", "decoder_blocks", "gradient_sync", "shard_model"]

@@ -1,0 +1,73 @@
+"""The world mesh: axes ``("replicate", "edp", "ep")``, validated up front.
+
+World size ``W = R * S`` with ``R`` the replicate (HSDP) degree and ``S = E_dp * d`` the shard
+degree, ``d`` the expert-parallel degree. Dense parameters are FSDP2-sharded over
+``("replicate", "shard")`` (``shard`` = ``edp`` x ``ep`` flattened); experts over
+``("replicate", "edp")`` with their expert dim sharded on ``ep``.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES = ("replicate", "edp", "ep")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def check_layout(world_size: int, degree: int, replicate_degree: int = 1) -> int:
+    """Validate a layout and return the expert-data-parallel size ``edp = W / (R * d)``.
+
+    Raises:
+        TypeError / ValueError naming the argument, its value, and valid choices.
+    """
+    for name, value in (("degree", degree), ("replicate_degree", replicate_degree)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}.")
+    if world_size % degree:
+        raise ValueError(
+            f"degree={degree} does not divide the world size {world_size}; "
+            f"choose one of {_divisors(world_size)}."
+        )
+    if world_size % (replicate_degree * degree):
+        valid = _divisors(world_size // degree)
+        raise ValueError(
+            f"world size {world_size} is not divisible by replicate_degree * degree = "
+            f"{replicate_degree} * {degree}; with degree={degree} choose replicate_degree in {valid}."
+        )
+    return world_size // (replicate_degree * degree)
+
+
+def init_mesh(degree: int, *, replicate_degree: int = 1, device_type: str = "cuda") -> DeviceMesh:
+    """Build the world mesh with axes ``("replicate", "edp", "ep")`` and a flattened ``"shard"``
+    axis (``edp`` x ``ep``). The default process group must be initialised.
+
+    Args:
+        degree: expert-parallel degree ``d`` (ranks that split the experts of a layer).
+        replicate_degree: HSDP replicate degree ``R``; 1 is plain FSDP.
+        device_type: ``"cuda"`` or ``"cpu"`` (gloo).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "init_mesh needs an initialised default process group: call dist.init_process_group first."
+        )
+    world_size = dist.get_world_size()
+    edp = check_layout(world_size, degree, replicate_degree)
+    mesh = init_device_mesh(device_type, (replicate_degree, edp, degree), mesh_dim_names=MESH_AXES)
+    mesh["edp", "ep"]._flatten("shard")
+    return mesh
+
+
+def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ``("replicate", "shard")`` mesh that dense parameters are sharded over."""
+    return mesh["replicate", "shard"]
+
+
+def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ``("replicate", "edp")`` mesh that FSDP2 shards experts over."""
+    return mesh["replicate", "edp"]

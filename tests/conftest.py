@@ -1,0 +1,61 @@
+"""Shared helpers for every test tier: the tiny Mixtral factory and a relative-error helper.
+
+Import them from a test module with ``from conftest import tiny_mixtral_config`` (pytest puts this
+folder on ``sys.path``), or use the fixtures below. transformers is imported lazily so that
+collecting a test that does not need it does not pay for (or depend on) the import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+TINY_MIXTRAL: dict[str, Any] = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=64,
+)
+
+
+def tiny_mixtral_config(**overrides: Any):
+    """A ``transformers.MixtralConfig`` small enough for CPU unit tests (H=64, I=32, E=8, K=2)."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**{**TINY_MIXTRAL, **overrides})
+
+
+def tiny_mixtral(seed: int = 0, **overrides: Any):
+    """A freshly initialised ``MixtralForCausalLM`` of ``tiny_mixtral_config(**overrides)``, in train mode.
+
+    ``seed`` seeds the global torch RNG before construction, so equal seeds give equal weights.
+    """
+    from transformers import MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(tiny_mixtral_config(**overrides)).train()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64 (``b`` is the reference)."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    return ((a64 - b64).norm() / b64.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def tiny_config():
+    """The tiny ``MixtralConfig`` with its defaults."""
+    return tiny_mixtral_config()
+
+
+@pytest.fixture
+def tiny_model():
+    """A tiny ``MixtralForCausalLM`` (seed 0), in train mode."""
+    return tiny_mixtral()

@@ -1,0 +1,39 @@
+"""Spawn ``world`` gloo processes on the CPU and run a worker function in each.
+
+Workers are plain top-level functions ``fn(rank, world, *args)``; an exception in any of them fails
+the test with the worker's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined by a gloo group."""
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)

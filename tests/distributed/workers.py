@@ -1,0 +1,240 @@
+"""Worker bodies for the multi-process tests (imported by spawned processes).
+
+The reference everywhere is data parallelism of the unsharded model: the one-process model fed
+each rank's micro-batch, losses and gradients averaged over ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import lightning_ep
+from lightning_ep import MoEConfig
+
+VOCAB = 128
+SEQ = 16
+BATCH = 2
+RTOL = 1e-5
+
+
+def tiny_mixtral(seed: int = 0, **overrides):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(MixtralConfig(**fields)).float()
+
+
+def micro_batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@dataclass(frozen=True)
+class Case:
+    degree: int
+    replicate: int = 1
+    mode: str = "none"
+    all_to_all: bool = True
+    shuffle: bool = False
+    skew: bool = False
+    steps: int = 2
+    clip: float | None = None
+
+    def config(self) -> MoEConfig:
+        return MoEConfig(
+            moe_load_balancing=self.mode,  # type: ignore[arg-type]
+            moe_all_to_all_dispatcher=self.all_to_all,
+            global_token_shuffle=self.shuffle,
+            moe_aux_loss_coeff=0.01,
+            moe_z_loss_coeff=0.001,
+        )
+
+
+def _skew_router(model: torch.nn.Module) -> None:
+    """Every token picks experts 0 and 1 (held by EP rank 0); the other experts get no token."""
+    from lightning_ep.moe.router import Routing
+
+    def hook(gate, _inputs, routing):
+        ids_TK = torch.tensor([0, 1]).expand_as(routing.expert_ids_TK)
+        weights_TK = routing.probs_TE.gather(1, ids_TK)
+        return Routing(
+            routing.logits_TE, routing.probs_TE, ids_TK, weights_TK / weights_TK.sum(-1, keepdim=True)
+        )
+
+    for layer in lightning_ep.moe_layers(model):
+        layer.gate.register_forward_hook(hook)
+
+
+def run_case(rank: int, world: int, case: Case) -> None:
+    """Two AdamW steps under transform + shard_model vs the reference, asserting equality."""
+    base = tiny_mixtral()
+    config = case.config()
+    ref_config = replace(config, global_token_shuffle=False) if case.shuffle else config
+    ref = lightning_ep.transform(copy.deepcopy(base), ref_config)
+    model = copy.deepcopy(base)
+    mesh = lightning_ep.init_mesh(case.degree, replicate_degree=case.replicate, device_type="cpu")
+    lightning_ep.transform(model, config, mesh=mesh)
+    lightning_ep.shard_model(model, mesh)
+    if case.skew:
+        _skew_router(ref)
+        _skew_router(model)
+    ref.train()
+    model.train()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, foreach=False)
+    for layer in lightning_ep.moe_layers(ref):
+        layer.loss_scale = 1.0 / world  # the reference accumulates `world` micro-batches
+    ref_names = dict(ref.named_parameters())
+    tag = f"{case} rank {rank}"
+    for step in range(case.steps):
+        # Reference: every rank's micro-batch through the one-process model, averaged.
+        opt_ref.zero_grad()
+        ref_loss = 0.0
+        for r in range(world):
+            ids = micro_batch(step, r)
+            loss = ref(input_ids=ids, labels=ids).loss / world
+            loss.backward()
+            ref_loss += loss.item()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip or float("inf"))
+
+        opt.zero_grad()
+        ids = micro_batch(step, rank)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        mean_loss /= world
+        assert abs(mean_loss.item() - ref_loss) <= RTOL * abs(ref_loss), (
+            tag,
+            step,
+            mean_loss.item(),
+            ref_loss,
+        )
+
+        norm = lightning_ep.clip_grad_norm_(model.parameters(), case.clip or float("inf"))
+        assert abs(norm.item() - ref_norm.item()) <= RTOL * ref_norm.item(), (
+            tag,
+            step,
+            norm.item(),
+            ref_norm.item(),
+        )
+        for name, p in model.named_parameters():
+            assert isinstance(p, DTensor), (tag, name)
+            assert p.grad is not None, (tag, name, "missing gradient")
+            err = rel_err(full(p.grad), ref_names[name].grad)
+            assert err <= RTOL, (tag, step, name, err)
+        if case.skew:
+            for layer in lightning_ep.moe_layers(model):
+                grad = full(layer.experts.gate_up_proj.grad)
+                assert torch.all(grad[2:] == 0), (tag, "experts without tokens must get an all-zero gradient")
+                assert grad[:2].abs().sum() > 0
+        opt_ref.step()
+        opt.step()
+    for name, p in model.named_parameters():
+        err = rel_err(full(p.detach()), ref_names[name].detach())
+        assert err <= RTOL, (tag, "after AdamW", name, err)
+
+
+def run_cases(rank: int, world: int, cases: list[Case]) -> None:
+    for case in cases:
+        run_case(rank, world, case)
+
+
+def run_meta_init(rank: int, world: int, degree: int, replicate: int) -> None:
+    """A model built on meta, transformed, sharded, then materialised: sane and consistent."""
+    from transformers import MixtralForCausalLM
+
+    from lightning_ep.models.init import materialize
+
+    config = tiny_mixtral().config
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config)
+    mesh = lightning_ep.init_mesh(degree, replicate_degree=replicate, device_type="cpu")
+    lightning_ep.transform(model, MoEConfig(), mesh=mesh)
+    lightning_ep.shard_model(model, mesh)
+    torch.manual_seed(0)
+    materialize(model, "cpu")
+    replicate_group = mesh["replicate"].get_group()
+    for name, p in model.named_parameters():
+        local = p.to_local()
+        assert local.device.type == "cpu" and torch.isfinite(local).all(), name
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            assert torch.all(local == 1), name
+        else:
+            std = float(full(p.detach()).std())
+            assert abs(std - config.initializer_range) < 0.2 * config.initializer_range, (name, std)
+        # HSDP replicas must hold identical shards.
+        copies = [torch.empty_like(local) for _ in range(replicate)]
+        dist.all_gather(copies, local.contiguous(), group=replicate_group)
+        assert all(torch.equal(c, copies[0]) for c in copies), (name, "replicas differ")
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert torch.isfinite(inv_freq).all() and inv_freq[0] == 1.0
+    ids = micro_batch(0, rank)
+    loss = model(input_ids=ids, labels=ids).loss
+    assert torch.isfinite(loss) and abs(loss.item() - torch.log(torch.tensor(float(VOCAB))).item()) < 0.5
+
+
+def _seeded_loss(seed: int, rank: int) -> tuple[float, torch.Tensor]:
+    model = tiny_mixtral(router_jitter_noise=0.1)
+    mesh = lightning_ep.init_mesh(2, device_type="cpu")
+    config = MoEConfig(random_seed=seed, global_token_shuffle=True, moe_load_balancing="none")
+    lightning_ep.transform(model, config, mesh=mesh)
+    lightning_ep.shard_model(model, mesh)
+    model.train()
+    ids = micro_batch(0, rank)
+    rng_before = torch.random.get_rng_state()
+    losses = [model(input_ids=ids, labels=ids).loss.item() for _ in range(2)]
+    assert torch.equal(rng_before, torch.random.get_rng_state()), "MoE layers touched the global RNG"
+    assert losses[0] != losses[1], "each step must draw new jitter and a new permutation"
+    return losses[0], torch.tensor(losses)
+
+
+def run_seeded(rank: int, world: int) -> None:
+    """Same seed: identical runs; other seed: different; jitter differs between EP ranks."""
+    a, seq_a = _seeded_loss(7, rank)
+    _, seq_b = _seeded_loss(7, rank)
+    c, _ = _seeded_loss(8, rank)
+    assert torch.equal(seq_a, seq_b), (seq_a, seq_b)
+    assert a != c
+
+
+def run_bad_degree(rank: int, world: int) -> None:
+    import pytest
+
+    model = tiny_mixtral(num_local_experts=6)
+    mesh = lightning_ep.init_mesh(4, device_type="cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"degree=4 does not divide the number of experts 6 .*choose a degree in \[1, 2, 3, 6\]",
+    ):
+        lightning_ep.transform(model, MoEConfig(), mesh=mesh)
+    plain = lightning_ep.transform(tiny_mixtral(), MoEConfig())
+    with pytest.raises(
+        RuntimeError, match=r"call lightning_ep.transform\(model, config, mesh=mesh\) before shard_model"
+    ):
+        lightning_ep.shard_model(plain, mesh)

@@ -1,0 +1,244 @@
+"""``GroupedExperts``: a 1-expert MoE against a dense SwiGLU FFN by hand, the grouped-GEMM path
+against the per-expert loop, zero (not missing) gradients for idle experts, and the error messages.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import rel_err
+from torch import nn
+
+from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
+from lightning_ep.moe.experts import grouped_mm_supported
+
+H, I, E = 64, 32, 8  # noqa: E741 (shape letters, as in lightning_ep.moe)
+COUNTS = [5, 0, 3, 8, 1, 0, 7, 4]  # experts 1 and 5 receive no row
+IDLE = [1, 5]
+
+
+def _weights(num_experts=E, hidden=H, inter=I, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.1
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) * 0.1
+    return w1.to(dtype), w2.to(dtype)
+
+
+def _experts(w1, w2, use_grouped_mm):
+    return GroupedExperts(
+        nn.Parameter(w1.clone()), nn.Parameter(w2.clone()), F.silu, use_grouped_mm=use_grouped_mm
+    )
+
+
+# ---------------------------------------------------------------- one expert = a dense FFN
+
+
+@pytest.mark.parametrize("use_grouped_mm", [None, False])
+def test_single_expert_top1_equals_dense_swiglu(use_grouped_mm):
+    w1, w2 = _weights(num_experts=1)
+    gate = TopKRouter(nn.Parameter(torch.randn(1, H) * 0.1), top_k=1, mode="none")
+    experts = _experts(w1, w2, use_grouped_mm)
+    layer = MoELayer(gate, experts, MoEConfig(moe_load_balancing="none", moe_z_loss_coeff=0.0))
+    x = torch.randn(2, 12, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    upstream = torch.randn(2, 12, H, generator=torch.Generator().manual_seed(2))
+    out = layer(x)
+    (out * upstream).sum().backward()
+
+    # By hand: down(silu(gate(x)) * up(x)), routing weight exactly 1.
+    xr = x.detach().clone().requires_grad_(True)
+    w_gate = w1[0, :I].clone().requires_grad_(True)
+    w_up = w1[0, I:].clone().requires_grad_(True)
+    w_down = w2[0].clone().requires_grad_(True)
+    dense = (F.silu(xr @ w_gate.t()) * (xr @ w_up.t())) @ w_down.t()
+    (dense * upstream).sum().backward()
+
+    assert out.shape == x.shape
+    assert rel_err(out, dense) < 1e-6
+    assert rel_err(x.grad, xr.grad) < 1e-6
+    assert rel_err(experts.gate_up_proj.grad[0], torch.cat([w_gate.grad, w_up.grad])) < 1e-6
+    assert rel_err(experts.down_proj.grad[0], w_down.grad) < 1e-6
+    assert torch.all(layer.tokens_per_expert == 24)
+    assert gate.weight.grad.abs().max() < 1e-6  # weight is 1 whatever the logits
+
+
+# ---------------------------------------------------------------- grouped GEMM vs loop
+
+
+def _run(experts: GroupedExperts, x: torch.Tensor, counts: list[int], upstream: torch.Tensor):
+    x = x.clone().requires_grad_(True)
+    out = experts(x, torch.tensor(counts))
+    (out.float() * upstream).sum().backward()
+    return out, x.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+
+
+@pytest.mark.parametrize("grouped", [None, True])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_grouped_matches_loop(grouped, dtype, tol):
+    w1, w2 = _weights(dtype=dtype)
+    n = sum(COUNTS)
+    x = torch.randn(n, H, generator=torch.Generator().manual_seed(3)).to(dtype)
+    upstream = torch.randn(n, H, generator=torch.Generator().manual_seed(4))
+    assert grouped_mm_supported(x, w1, w2)  # the grouped path really runs
+    got = _run(_experts(w1, w2, grouped), x, COUNTS, upstream)
+    want = _run(_experts(w1, w2, False), x, COUNTS, upstream)
+    for name, a, b in zip(("out", "x.grad", "gate_up_proj.grad", "down_proj.grad"), got, want, strict=True):
+        assert a.dtype == b.dtype == dtype, name
+        assert rel_err(a, b) < tol, name
+
+
+def test_loop_matches_per_expert_hand_computation():
+    w1, w2 = _weights()
+    x = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(3))
+    out = _experts(w1, w2, False)(x, torch.tensor(COUNTS))
+    rows = []
+    for e, chunk in enumerate(torch.split(x, COUNTS)):
+        rows.append((F.silu(chunk @ w1[e, :I].t()) * (chunk @ w1[e, I:].t())) @ w2[e].t())
+    assert rel_err(out, torch.cat(rows)) < 1e-6
+
+
+@pytest.mark.parametrize("grouped", [None, True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_idle_expert_gets_zero_gradient(grouped, dtype):
+    w1, w2 = _weights(dtype=dtype)
+    x = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(3)).to(dtype)
+    _, _, g1, g2 = _run(_experts(w1, w2, grouped), x, COUNTS, torch.ones(sum(COUNTS), H))
+    assert g1 is not None and g2 is not None
+    assert g1.shape == w1.shape and g2.shape == w2.shape
+    for e in range(E):
+        if e in IDLE:
+            assert torch.count_nonzero(g1[e]) == 0 and torch.count_nonzero(g2[e]) == 0
+        else:
+            assert torch.count_nonzero(g1[e]) > 0 and torch.count_nonzero(g2[e]) > 0
+
+
+@pytest.mark.parametrize("grouped", [None, False])
+def test_unrouted_expert_in_a_layer_gets_zero_gradient(grouped):
+    # Feature 0 is constant 1 and expert 7's weight on it is very negative: nobody picks expert 7.
+    weight = torch.randn(E, H, generator=torch.Generator().manual_seed(0)) * 0.1
+    weight[7, 0] = -50.0
+    w1, w2 = _weights()
+    experts = _experts(w1, w2, grouped)
+    layer = MoELayer(
+        TopKRouter(nn.Parameter(weight), top_k=2, mode="none"),
+        experts,
+        MoEConfig(moe_load_balancing="none"),
+    )
+    x = torch.randn(32, H, generator=torch.Generator().manual_seed(1))
+    x[:, 0] = 1.0
+    layer(x).square().sum().backward()
+    assert layer.tokens_per_expert[7] == 0
+    assert experts.gate_up_proj.grad is not None and experts.down_proj.grad is not None
+    assert torch.count_nonzero(experts.gate_up_proj.grad[7]) == 0
+    assert torch.count_nonzero(experts.down_proj.grad[7]) == 0
+    assert torch.count_nonzero(experts.gate_up_proj.grad[:7]) > 0
+
+
+def test_all_rows_to_one_expert_and_empty_input():
+    w1, w2 = _weights()
+    for grouped in (None, False):
+        experts = _experts(w1, w2, grouped)
+        x = torch.randn(6, H, generator=torch.Generator().manual_seed(3))
+        counts = [0, 0, 6, 0, 0, 0, 0, 0]
+        expected = (F.silu(x @ w1[2, :I].t()) * (x @ w1[2, I:].t())) @ w2[2].t()
+        assert rel_err(experts(x, torch.tensor(counts)), expected) < 1e-5
+        assert experts(torch.zeros(0, H), torch.zeros(E, dtype=torch.int64)).shape == (0, H)
+
+
+@pytest.mark.parametrize("grouped", [None, False])
+def test_grad_scale_scales_weight_gradients_only(grouped):
+    w1, w2 = _weights()
+    x = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(3))
+    upstream = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(4))
+    out, gx, g1, g2 = _run(_experts(w1, w2, grouped), x, COUNTS, upstream)
+    scaled = _experts(w1, w2, grouped)
+    scaled.grad_scale = 0.25
+    out_s, gx_s, g1_s, g2_s = _run(scaled, x, COUNTS, upstream)
+    assert torch.equal(out_s, out)
+    assert torch.equal(gx_s, gx)  # the activations' gradient is not scaled
+    assert rel_err(g1_s, 0.25 * g1) < 1e-6 and rel_err(g2_s, 0.25 * g2) < 1e-6
+
+
+# ---------------------------------------------------------------- grouped_mm support and errors
+
+
+def test_grouped_mm_supported_rules():
+    w1, w2 = _weights()
+    x = torch.zeros(4, H)
+    assert grouped_mm_supported(x, w1, w2)
+    assert grouped_mm_supported(x.bfloat16(), w1.bfloat16(), w2.bfloat16())
+    assert not grouped_mm_supported(x.double(), w1.double(), w2.double())  # dtype
+    assert not grouped_mm_supported(x, w1.bfloat16(), w2)  # mixed dtypes
+    b1, b2 = _weights(hidden=60, dtype=torch.bfloat16)  # 60 bf16 = 120 bytes: not 16-byte aligned
+    assert not grouped_mm_supported(torch.zeros(4, 60, dtype=torch.bfloat16), b1, b2)
+
+
+@pytest.mark.parametrize(("hidden", "dtype"), [(60, torch.bfloat16), (62, torch.float32)])
+def test_use_grouped_mm_true_refuses_unaligned(hidden, dtype):
+    w1, w2 = _weights(num_experts=4, hidden=hidden, dtype=dtype)
+    experts = _experts(w1, w2, True)
+    x = torch.randn(10, hidden).to(dtype)
+    expected = (
+        f"use_grouped_mm=True but grouped_mm cannot run for dtype {dtype} on cpu with weights "
+        f"(4, 64, {hidden}); use_grouped_mm=None falls back to a loop."
+    )
+    with pytest.raises(RuntimeError, match=re.escape(expected)):
+        experts(x, torch.tensor([3, 0, 5, 2]))
+    # use_grouped_mm=None falls back to the loop: the very same numbers as use_grouped_mm=False.
+    fallback = _experts(w1, w2, None)(x, torch.tensor([3, 0, 5, 2]))
+    assert torch.equal(fallback, _experts(w1, w2, False)(x, torch.tensor([3, 0, 5, 2])))
+
+
+def test_use_grouped_mm_true_refuses_float64():
+    w1, w2 = _weights(dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=re.escape("grouped_mm cannot run for dtype torch.float64 on cpu")):
+        _experts(w1, w2, True)(torch.zeros(sum(COUNTS), H, dtype=torch.float64), torch.tensor(COUNTS))
+
+
+def test_weights_must_be_3d():
+    w1, w2 = _weights()
+    expected = "expert weights must be 3-D, got gate_up_proj (64, 64) and down_proj (8, 64, 32)."
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        GroupedExperts(nn.Parameter(w1[0]), nn.Parameter(w2), F.silu)
+
+
+@pytest.mark.parametrize(
+    ("down_shape", "needed"),
+    [((8, 64, 16), (8, 64, 32)), ((4, 64, 32), (8, 64, 32)), ((8, 32, 32), (8, 64, 32))],
+)
+def test_mismatched_weight_shapes(down_shape, needed):
+    w1, _ = _weights()
+    expected = (
+        f"expert weights do not match: gate_up_proj (8, 64, 64) needs down_proj {needed}, got {down_shape}."
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        GroupedExperts(nn.Parameter(w1), nn.Parameter(torch.zeros(down_shape)), F.silu)
+
+
+def test_odd_gate_up_rows_refused():
+    expected = "gate_up_proj (8, 63, 64) must stack gate and up rows: its dim 1 must be even."
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        GroupedExperts(nn.Parameter(torch.zeros(8, 63, 64)), nn.Parameter(torch.zeros(8, 64, 31)), F.silu)
+
+
+def test_counts_for_wrong_number_of_experts():
+    w1, w2 = _weights()
+    with pytest.raises(RuntimeError, match=re.escape("got token counts for 4 experts, but 8 are held here.")):
+        _experts(w1, w2, None)(torch.zeros(4, H), torch.tensor([1, 1, 1, 1]))
+
+
+def test_layer_refuses_gate_expert_mismatch():
+    w1, w2 = _weights(num_experts=4)
+    gate = TopKRouter(nn.Parameter(torch.zeros(E, H)), top_k=2, mode="none")
+    with pytest.raises(ValueError, match=re.escape("the gate routes to 8 experts but experts holds 4.")):
+        MoELayer(gate, _experts(w1, w2, None), MoEConfig())
+
+
+def test_experts_adopt_parameters():
+    w1, w2 = nn.Parameter(_weights()[0]), nn.Parameter(_weights()[1])
+    experts = GroupedExperts(w1, w2, F.silu)
+    assert experts.gate_up_proj is w1 and experts.down_proj is w2
+    assert experts.num_experts == E
+    assert list(experts.state_dict()) == ["gate_up_proj", "down_proj"]

@@ -1,0 +1,74 @@
+"""Import direction (DESIGN.md): ``lightning_ep.moe`` and ``lightning_ep.parallel`` are pure torch;
+they import neither Lightning nor transformers, not even lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning_ep
+
+PACKAGE = Path(lightning_ep.__file__).resolve().parent
+FORBIDDEN = ("lightning", "lightning_fabric", "pytorch_lightning", "transformers")
+
+# `import lightning`, `import lightning.pytorch as pl`, `from transformers import X`, also indented
+# (lazy) imports; `lightning_ep` does not match (word boundary excludes the underscore).
+_IMPORT = re.compile(
+    r"^\s*(?:import|from)\s+(?:" + "|".join(re.escape(name) for name in FORBIDDEN) + r")(?:\.|\s|,|$)",
+    re.MULTILINE,
+)
+
+
+def test_importing_moe_pulls_in_neither_lightning_nor_transformers():
+    code = (
+        "import json, sys\n"
+        "import lightning_ep.moe\n"
+        "import lightning_ep.moe.layer, lightning_ep.moe.router, lightning_ep.moe.experts\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    modules = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "lightning_ep.moe" in modules and "torch" in modules
+    leaked = [m for m in modules if m.split(".")[0] in FORBIDDEN]
+    assert leaked == []
+
+
+def test_import_pattern_catches_what_it_should():
+    hits = [
+        "import lightning",
+        "from lightning.pytorch import Trainer",
+        "    from transformers import X",
+        "import transformers.activations",
+        "import lightning_fabric",
+        "from transformers.x import (A,",
+    ]
+    misses = [
+        "import lightning_ep",
+        "from lightning_ep.moe import x",
+        "# the lightning strategy",
+        "import torch",
+    ]
+    assert all(_IMPORT.search(line) for line in hits)
+    assert not any(_IMPORT.search(line) for line in misses)
+
+
+def test_pure_torch_packages_have_no_forbidden_imports():
+    scanned = []
+    offenders = []
+    for sub in ("moe", "parallel"):
+        folder = PACKAGE / sub
+        if not folder.is_dir():  # parallel/ may not exist yet; moe/ must
+            assert sub != "moe"
+            continue
+        for path in sorted(folder.rglob("*.py")):
+            scanned.append(path)
+            for match in _IMPORT.finditer(path.read_text()):
+                offenders.append(f"{path.relative_to(PACKAGE)}: {match.group(0).strip()}")
+    assert any(p.name == "layer.py" for p in scanned)
+    assert offenders == []
