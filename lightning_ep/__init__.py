@@ -1,5 +1,13 @@
-"""lightning_ep: expert parallelism for Mixture-of-Experts training in PyTorch Lightning."""
+"""lightning_ep: expert parallelism for Mixture-of-Experts training in PyTorch Lightning.
 
+``import lightning_ep`` stays light: the Lightning strategy is imported on first use of
+``lightning_ep.ExpertParallelStrategy``, and the short name ``strategy="expert_parallel"`` is
+registered with Lightning as soon as Lightning's strategy registry is loaded.
+"""
+
+from typing import Any
+
+from lightning_ep._register import register_when_lightning_loads
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.fsdp import shard_model
@@ -7,5 +15,27 @@ from lightning_ep.parallel.grad_norm import clip_grad_norm_
 from lightning_ep.parallel.mesh import init_mesh
 from lightning_ep.transform import moe_layers, transform
 
-__all__ = ["MoEConfig", "MoELayer", "clip_grad_norm_", "init_mesh", "moe_layers", "shard_model", "transform"]
+__all__ = [
+    "ExpertParallelStrategy",
+    "MoEConfig",
+    "MoELayer",
+    "clip_grad_norm_",
+    "init_mesh",
+    "moe_layers",
+    "shard_model",
+    "transform",
+]
 __version__ = "0.1.0.dev0"
+
+_LAZY = {"ExpertParallelStrategy": "lightning_ep.strategy"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_ep' has no attribute {name!r}")
+
+
+register_when_lightning_loads()

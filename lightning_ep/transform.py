@@ -20,9 +20,7 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def transform(
-    model: nn.Module, config: MoEConfig | None = None, *, mesh: DeviceMesh | None = None
-) -> nn.Module:
+def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: DeviceMesh | None = None) -> nn.Module:
     """Replace every supported MoE block of ``model`` with a ``MoELayer``, in place.
 
     The new layers adopt the blocks' own ``Parameter`` objects: parameter names, global shapes and

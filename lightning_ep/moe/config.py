@@ -13,11 +13,9 @@ from typing import Literal, get_args
 
 LoadBalancing = Literal["sinkhorn", "aux_loss", "balanced", "none"]
 RouterDtype = Literal["float32", "float64"]
-DropPolicy = Literal["probs", "position"]
 
 LOAD_BALANCING_MODES: tuple[str, ...] = get_args(LoadBalancing)
 ROUTER_DTYPES: tuple[str, ...] = get_args(RouterDtype)
-DROP_POLICIES: tuple[str, ...] = get_args(DropPolicy)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,11 +45,6 @@ class MoEConfig:
         router_dtype: dtype of the router's logits, softmax and Sinkhorn (never lower than fp32).
         sinkhorn_iterations: fixed number of Sinkhorn iterations (fixed, so no host sync).
         balance_update_rate: step size of the ``"balanced"`` bias update.
-        capacity_factor: ``None`` is dropless. Otherwise each expert takes at most
-            ``ceil(capacity_factor * tokens * top_k / num_experts)`` assignments per rank; the rest
-            are dropped (the token passes through the residual path) and counted.
-        drop_policy: which assignments survive when an expert is over capacity: ``"probs"`` keeps
-            the highest routing weights, ``"position"`` the earliest tokens.
     """
 
     smp_moe: bool = True
@@ -64,8 +57,6 @@ class MoEConfig:
     router_dtype: RouterDtype = "float32"
     sinkhorn_iterations: int = 30
     balance_update_rate: float = 0.001
-    capacity_factor: float | None = None
-    drop_policy: DropPolicy = "probs"
 
     def __post_init__(self) -> None:
         for name in ("smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher"):
@@ -76,11 +67,8 @@ class MoEConfig:
         _check_int("sinkhorn_iterations", self.sinkhorn_iterations, minimum=1)
         _check_choice("moe_load_balancing", self.moe_load_balancing, LOAD_BALANCING_MODES)
         _check_choice("router_dtype", self.router_dtype, ROUTER_DTYPES)
-        _check_choice("drop_policy", self.drop_policy, DROP_POLICIES)
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "balance_update_rate"):
-            _check_float(name, getattr(self, name), allow_zero=True)
-        if self.capacity_factor is not None:
-            _check_float("capacity_factor", self.capacity_factor, allow_zero=False)
+            _check_float(name, getattr(self, name))
 
     @property
     def aux_loss_active(self) -> bool:
@@ -108,9 +96,8 @@ def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"MoEConfig.{name}={value!r} is not supported; choose one of {list(allowed)}.")
 
 
-def _check_float(name: str, value: object, *, allow_zero: bool) -> None:
+def _check_float(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"MoEConfig.{name} must be a float, got {value!r} ({type(value).__name__}).")
-    bound = ">= 0" if allow_zero else "> 0"
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"MoEConfig.{name} must be a finite number {bound}, got {value!r}.")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"MoEConfig.{name} must be a finite number >= 0, got {value!r}.")

@@ -95,8 +95,7 @@ class GroupedExperts(nn.Module):
         num_experts, two_i, hidden = gate_up_proj.shape
         if two_i % 2:
             raise ValueError(
-                f"gate_up_proj {tuple(gate_up_proj.shape)} must stack gate and up rows: "
-                "its dim 1 must be even."
+                f"gate_up_proj {tuple(gate_up_proj.shape)} must stack gate and up rows: its dim 1 must be even."
             )
         if down_proj.shape != (num_experts, hidden, two_i // 2):
             raise ValueError(

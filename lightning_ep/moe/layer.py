@@ -62,9 +62,7 @@ class MoELayer(nn.Module):
     ) -> None:
         super().__init__()
         if gate.num_experts != experts.num_experts:
-            raise ValueError(
-                f"the gate routes to {gate.num_experts} experts but experts holds {experts.num_experts}."
-            )
+            raise ValueError(f"the gate routes to {gate.num_experts} experts but experts holds {experts.num_experts}.")
         self.gate = gate
         self.experts = experts
         self.config = config
@@ -97,9 +95,9 @@ class MoELayer(nn.Module):
             x_TH = x_TH * self._jitter(x_TH, draw_id)
         shuffle_state = None
         if self.shuffle is not None:
-            x_TH, shuffle_state = self.shuffle.shuffle(
-                x_TH, self._generator(draw_id, x_TH.device, shared=True)
-            )
+            # The permutation is drawn on the CPU, so its split sizes need no device sync.
+            generator = self._generator(draw_id, torch.device("cpu"), shared=True)
+            x_TH, shuffle_state = self.shuffle.shuffle(x_TH, generator)
 
         routing = self.gate(x_TH)
         dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK)

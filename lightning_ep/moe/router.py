@@ -110,9 +110,7 @@ class TopKRouter(nn.Module):
         self.sinkhorn_iterations = sinkhorn_iterations
         if mode == "balanced":
             # Persistent: the bias is trained state and must survive checkpoints.
-            self.register_buffer(
-                "expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=weight.device)
-            )
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=weight.device))
             # Not persistent: tokens counted since the last ``update_bias``.
             self.register_buffer(
                 "pending_load",
@@ -173,6 +171,4 @@ class TopKRouter(nn.Module):
         self.pending_load.zero_()
 
     def extra_repr(self) -> str:
-        return (
-            f"experts={self.num_experts}, top_k={self.top_k}, mode={self.mode!r}, dtype={self.router_dtype}"
-        )
+        return f"experts={self.num_experts}, top_k={self.top_k}, mode={self.mode!r}, dtype={self.router_dtype}"

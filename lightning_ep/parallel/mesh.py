@@ -31,8 +31,7 @@ def check_layout(world_size: int, degree: int, replicate_degree: int = 1) -> int
             raise ValueError(f"{name} must be >= 1, got {value}.")
     if world_size % degree:
         raise ValueError(
-            f"degree={degree} does not divide the world size {world_size}; "
-            f"choose one of {_divisors(world_size)}."
+            f"degree={degree} does not divide the world size {world_size}; choose one of {_divisors(world_size)}."
         )
     if world_size % (replicate_degree * degree):
         valid = _divisors(world_size // degree)
@@ -53,9 +52,7 @@ def init_mesh(degree: int, *, replicate_degree: int = 1, device_type: str = "cud
         device_type: ``"cuda"`` or ``"cpu"`` (gloo).
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "init_mesh needs an initialised default process group: call dist.init_process_group first."
-        )
+        raise RuntimeError("init_mesh needs an initialised default process group: call dist.init_process_group first.")
     world_size = dist.get_world_size()
     edp = check_layout(world_size, degree, replicate_degree)
     mesh = init_device_mesh(device_type, (replicate_degree, edp, degree), mesh_dim_names=MESH_AXES)

@@ -82,9 +82,7 @@ def _skew_router(model: torch.nn.Module) -> None:
     def hook(gate, _inputs, routing):
         ids_TK = torch.tensor([0, 1]).expand_as(routing.expert_ids_TK)
         weights_TK = routing.probs_TE.gather(1, ids_TK)
-        return Routing(
-            routing.logits_TE, routing.probs_TE, ids_TK, weights_TK / weights_TK.sum(-1, keepdim=True)
-        )
+        return Routing(routing.logits_TE, routing.probs_TE, ids_TK, weights_TK / weights_TK.sum(-1, keepdim=True))
 
     for layer in lightning_ep.moe_layers(model):
         layer.gate.register_forward_hook(hook)

@@ -25,8 +25,6 @@ def test_extension_defaults():
     config = MoEConfig()
     assert config.router_dtype == "float32"
     assert config.sinkhorn_iterations == 30
-    assert config.capacity_factor is None
-    assert config.drop_policy == "probs"
     assert config.balance_update_rate == 0.001
 
 
@@ -67,26 +65,20 @@ def test_unknown_balancing_mode_names_field_value_and_choices():
 
 @pytest.mark.parametrize("name", ["moe_aux_loss_coeff", "moe_z_loss_coeff", "balance_update_rate"])
 def test_negative_coefficient(name):
-    with pytest.raises(
-        ValueError, match=re.escape(f"MoEConfig.{name} must be a finite number >= 0, got -0.5.")
-    ):
+    with pytest.raises(ValueError, match=re.escape(f"MoEConfig.{name} must be a finite number >= 0, got -0.5.")):
         MoEConfig(**{name: -0.5})
 
 
 @pytest.mark.parametrize("name", ["moe_aux_loss_coeff", "moe_z_loss_coeff"])
 @pytest.mark.parametrize(("value", "shown"), [(float("nan"), "nan"), (float("inf"), "inf")])
 def test_non_finite_coefficient(name, value, shown):
-    with pytest.raises(
-        ValueError, match=re.escape(f"MoEConfig.{name} must be a finite number >= 0, got {shown}.")
-    ):
+    with pytest.raises(ValueError, match=re.escape(f"MoEConfig.{name} must be a finite number >= 0, got {shown}.")):
         MoEConfig(**{name: value})
 
 
 @pytest.mark.parametrize(("value", "shown"), [("0.1", "'0.1' (str)"), (True, "True (bool)")])
 def test_coefficient_wrong_type(value, shown):
-    with pytest.raises(
-        TypeError, match=re.escape(f"MoEConfig.moe_aux_loss_coeff must be a float, got {shown}.")
-    ):
+    with pytest.raises(TypeError, match=re.escape(f"MoEConfig.moe_aux_loss_coeff must be a float, got {shown}.")):
         MoEConfig(moe_aux_loss_coeff=value)  # type: ignore[arg-type]
 
 
@@ -95,9 +87,7 @@ def test_zero_and_int_coefficients_accepted():
     assert config.moe_aux_loss_coeff == 0 and config.moe_z_loss_coeff == 0.0
 
 
-@pytest.mark.parametrize(
-    ("value", "shown"), [(1.5, "1.5 (float)"), ("7", "'7' (str)"), (True, "True (bool)")]
-)
+@pytest.mark.parametrize(("value", "shown"), [(1.5, "1.5 (float)"), ("7", "'7' (str)"), (True, "True (bool)")])
 def test_seed_must_be_int(value, shown):
     expected = f"MoEConfig.random_seed must be an int, got {shown}; pass a whole number >= 0."
     with pytest.raises(TypeError, match=re.escape(expected)):
@@ -110,32 +100,10 @@ def test_negative_seed():
 
 
 @pytest.mark.parametrize("name", ["smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher"])
-@pytest.mark.parametrize(
-    ("value", "shown"), [(1, "1 (int)"), ("yes", "'yes' (str)"), (None, "None (NoneType)")]
-)
+@pytest.mark.parametrize(("value", "shown"), [(1, "1 (int)"), ("yes", "'yes' (str)"), (None, "None (NoneType)")])
 def test_flags_must_be_bool(name, value, shown):
     with pytest.raises(TypeError, match=re.escape(f"MoEConfig.{name} must be a bool, got {shown}.")):
         MoEConfig(**{name: value})
-
-
-@pytest.mark.parametrize("value", [0, 0.0, -1.0])
-def test_capacity_factor_must_be_positive(value):
-    with pytest.raises(
-        ValueError, match=re.escape(f"MoEConfig.capacity_factor must be a finite number > 0, got {value!r}.")
-    ):
-        MoEConfig(capacity_factor=value)
-
-
-def test_capacity_factor_nan_and_type():
-    with pytest.raises(
-        ValueError, match=re.escape("MoEConfig.capacity_factor must be a finite number > 0, got nan.")
-    ):
-        MoEConfig(capacity_factor=float("nan"))
-    with pytest.raises(
-        TypeError, match=re.escape("MoEConfig.capacity_factor must be a float, got '1.0' (str).")
-    ):
-        MoEConfig(capacity_factor="1.0")  # type: ignore[arg-type]
-    assert MoEConfig(capacity_factor=1.25).capacity_factor == 1.25
 
 
 def test_unknown_router_dtype():
@@ -145,19 +113,10 @@ def test_unknown_router_dtype():
     assert MoEConfig(router_dtype="float64").router_dtype == "float64"
 
 
-def test_unknown_drop_policy():
-    expected = "MoEConfig.drop_policy='random' is not supported; choose one of ['probs', 'position']."
-    with pytest.raises(ValueError, match=re.escape(expected)):
-        MoEConfig(drop_policy="random")  # type: ignore[arg-type]
-    assert MoEConfig(drop_policy="position").drop_policy == "position"
-
-
 def test_sinkhorn_iterations_at_least_one():
     with pytest.raises(ValueError, match=re.escape("MoEConfig.sinkhorn_iterations must be >= 1, got 0.")):
         MoEConfig(sinkhorn_iterations=0)
-    with pytest.raises(
-        TypeError, match=re.escape("MoEConfig.sinkhorn_iterations must be an int, got 2.0 (float)")
-    ):
+    with pytest.raises(TypeError, match=re.escape("MoEConfig.sinkhorn_iterations must be an int, got 2.0 (float)")):
         MoEConfig(sinkhorn_iterations=2.0)  # type: ignore[arg-type]
     assert MoEConfig(sinkhorn_iterations=1).sinkhorn_iterations == 1
 

@@ -28,9 +28,7 @@ def _weights(num_experts=E, hidden=H, inter=I, dtype=torch.float32, seed=0):
 
 
 def _experts(w1, w2, use_grouped_mm):
-    return GroupedExperts(
-        nn.Parameter(w1.clone()), nn.Parameter(w2.clone()), F.silu, use_grouped_mm=use_grouped_mm
-    )
+    return GroupedExperts(nn.Parameter(w1.clone()), nn.Parameter(w2.clone()), F.silu, use_grouped_mm=use_grouped_mm)
 
 
 # ---------------------------------------------------------------- one expert = a dense FFN
@@ -210,9 +208,7 @@ def test_weights_must_be_3d():
 )
 def test_mismatched_weight_shapes(down_shape, needed):
     w1, _ = _weights()
-    expected = (
-        f"expert weights do not match: gate_up_proj (8, 64, 64) needs down_proj {needed}, got {down_shape}."
-    )
+    expected = f"expert weights do not match: gate_up_proj (8, 64, 64) needs down_proj {needed}, got {down_shape}."
     with pytest.raises(ValueError, match=re.escape(expected)):
         GroupedExperts(nn.Parameter(w1), nn.Parameter(torch.zeros(down_shape)), F.silu)
 

@@ -30,9 +30,7 @@ def test_importing_moe_pulls_in_neither_lightning_nor_transformers():
         "import lightning_ep.moe.layer, lightning_ep.moe.router, lightning_ep.moe.experts\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     modules = json.loads(result.stdout.strip().splitlines()[-1])
     assert "lightning_ep.moe" in modules and "torch" in modules
     leaked = [m for m in modules if m.split(".")[0] in FORBIDDEN]

@@ -51,9 +51,7 @@ def test_load_balancing_loss_gradient_flows_through_probs_only():
 
 def test_z_loss_hand_example():
     # Row 1: logits all zero, E=4 -> logsumexp = log 4. Row 2: exp(logits) = 1, 2, 3, 4 -> log 10.
-    logits = torch.tensor(
-        [[0.0, 0.0, 0.0, 0.0], [0.0, math.log(2), math.log(3), math.log(4)]], dtype=torch.float64
-    )
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, math.log(2), math.log(3), math.log(4)]], dtype=torch.float64)
     expected = (math.log(4) ** 2 + math.log(10) ** 2) / 2
     assert z_loss(logits).item() == pytest.approx(expected, abs=1e-12)
     assert z_loss(torch.zeros(5, 4)).item() == pytest.approx(math.log(4) ** 2, rel=1e-6)
@@ -217,7 +215,5 @@ def test_gradient_accumulation_adds_each_forward_once():
     x1, x2 = _x(1), _x(2)
     layer(x1).sum().mul(0.0).backward()
     layer(x2).sum().mul(0.0).backward()
-    expected = _router_loss_grad(layer.gate.weight, x1, 0.1, 0.01) + _router_loss_grad(
-        layer.gate.weight, x2, 0.1, 0.01
-    )
+    expected = _router_loss_grad(layer.gate.weight, x1, 0.1, 0.01) + _router_loss_grad(layer.gate.weight, x2, 0.1, 0.01)
     assert rel_err(layer.gate.weight.grad, expected) < 1e-5

@@ -17,9 +17,7 @@ def test_valid_layouts(world: int, degree: int, replicate: int, edp: int) -> Non
 
 
 def test_degree_not_dividing_world() -> None:
-    with pytest.raises(
-        ValueError, match=r"degree=3 does not divide the world size 4; choose one of \[1, 2, 4\]"
-    ):
+    with pytest.raises(ValueError, match=r"degree=3 does not divide the world size 4; choose one of \[1, 2, 4\]"):
         check_layout(4, 3)
 
 

@@ -69,9 +69,7 @@ def test_router_adopts_the_weight_parameter():
 
 @pytest.mark.parametrize("top_k", [0, E + 1])
 def test_top_k_out_of_range(top_k):
-    with pytest.raises(
-        ValueError, match=re.escape(f"top_k={top_k} must be between 1 and the number of experts (8).")
-    ):
+    with pytest.raises(ValueError, match=re.escape(f"top_k={top_k} must be between 1 and the number of experts (8).")):
         TopKRouter(nn.Parameter(_weight()), top_k=top_k, mode="none")
 
 
@@ -271,9 +269,7 @@ def test_bias_methods_are_noops_outside_balanced(mode):
 def test_balanced_state_stays_exact_after_bf16_cast():
     router = _router("balanced").to(torch.bfloat16)
     router.record_load(torch.tensor([301, 1, 1, 1, 1, 1, 1, 1]))
-    assert torch.equal(
-        router.pending_load.double(), torch.tensor([301.0, 1, 1, 1, 1, 1, 1, 1], dtype=torch.float64)
-    )
+    assert torch.equal(router.pending_load.double(), torch.tensor([301.0, 1, 1, 1, 1, 1, 1, 1], dtype=torch.float64))
     router.pending_load.zero_()
     router.expert_bias.fill_(0.5)
     router.record_load(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]))  # mean 4.5
@@ -339,9 +335,7 @@ def _jitter_model(seed: int = 12345):
 
 def test_jitter_is_read_from_hf_config():
     assert [layer.jitter_noise for layer in lightning_ep.moe_layers(_jitter_model())] == [0.1, 0.1]
-    assert [
-        layer.jitter_noise for layer in lightning_ep.moe_layers(lightning_ep.transform(tiny_mixtral()))
-    ] == [
+    assert [layer.jitter_noise for layer in lightning_ep.moe_layers(lightning_ep.transform(tiny_mixtral()))] == [
         0.0,
         0.0,
     ]

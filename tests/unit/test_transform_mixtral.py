@@ -43,8 +43,7 @@ def _capture_router_logits(model: nn.Module) -> tuple[list[torch.Tensor], list]:
     """Forward hooks on every HF ``MixtralTopKRouter`` (``mlp.gate``); its output[0] is the logits."""
     logits: list[torch.Tensor] = []
     handles = [
-        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: logits.append(out[0]))
-        for layer in model.model.layers
+        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: logits.append(out[0])) for layer in model.model.layers
     ]
     return logits, handles
 
@@ -179,8 +178,7 @@ def test_unsupported_family_lists_supported():
         )
     )
     expected = (
-        "transform(model): model_type='llama' (LlamaForCausalLM) is not a supported MoE family; "
-        "supported: ['mixtral']."
+        "transform(model): model_type='llama' (LlamaForCausalLM) is not a supported MoE family; supported: ['mixtral']."
     )
     with pytest.raises(ValueError, match=re.escape(expected)):
         lightning_ep.transform(llama, MoEConfig())
@@ -245,9 +243,7 @@ def test_transform_after_from_pretrained(tmp_path):
 
     reference = tiny_mixtral().eval()
     reference.save_pretrained(tmp_path)
-    model = lightning_ep.transform(
-        MixtralForCausalLM.from_pretrained(tmp_path), MoEConfig(moe_load_balancing="none")
-    )
+    model = lightning_ep.transform(MixtralForCausalLM.from_pretrained(tmp_path), MoEConfig(moe_load_balancing="none"))
     assert len(lightning_ep.moe_layers(model)) == 2
     model.eval()
     ids = _tokens()
@@ -267,9 +263,7 @@ def test_output_router_logits_is_switched_off_with_a_warning():
     reference = tiny_mixtral(output_router_logits=False)
     model = copy.deepcopy(reference)
     model.config.output_router_logits = True
-    with pytest.warns(
-        UserWarning, match=re.escape("config.output_router_logits was True; it is set to False")
-    ):
+    with pytest.warns(UserWarning, match=re.escape("config.output_router_logits was True; it is set to False")):
         lightning_ep.transform(model, MoEConfig(moe_load_balancing="none", moe_z_loss_coeff=0.0))
     assert model.config.output_router_logits is False
     ids = _tokens()

@@ -1,0 +1,38 @@
+"""Fine-tuning from a Hugging Face folder without any rank holding the whole model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+#: Attribute the strategy reads on the model: the folder to load each rank's slices from.
+PRETRAINED_ATTR = "lightning_ep_pretrained"
+
+
+def from_pretrained(folder: str | Path, **config_overrides: Any) -> nn.Module:
+    """Build the model of a Hugging Face folder on the meta device, marked for sharded loading.
+
+    Use it in ``configure_model``. ``ExpertParallelStrategy`` transforms and shards the model,
+    allocates only each rank's shards, and reads exactly those slices from the folder's
+    safetensors files (``lightning_ep.models.hf_io.load_pretrained_sharded``).
+
+    Args:
+        folder: a ``save_pretrained`` folder (``config.json`` + ``*.safetensors``).
+        config_overrides: fields to change in the loaded config (e.g. ``router_jitter_noise=0.0``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"from_pretrained(folder={str(folder)!r}): no config.json there; pass a folder written by "
+            "save_pretrained (a local path: nothing is downloaded)."
+        )
+    config = AutoConfig.from_pretrained(folder, **config_overrides)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    setattr(model, PRETRAINED_ATTR, str(folder))
+    return model

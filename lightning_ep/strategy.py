@@ -1,0 +1,337 @@
+"""``ExpertParallelStrategy``: expert parallelism + FSDP2 for Hugging Face MoE models in Lightning.
+
+A thin layer over Lightning's ``ModelParallelStrategy``: it owns the ``("replicate", "edp", "ep")``
+mesh, hands it to the module, and after ``configure_model`` transforms the MoE blocks, shards
+everything with FSDP2, materialises meta weights, and then lets Lightning set up optimizers.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_ep.models.init import materialize
+from lightning_ep.models.pretrained import PRETRAINED_ATTR
+from lightning_ep.models.registry import family_for, find_moe_blocks
+from lightning_ep.moe.config import MoEConfig
+from lightning_ep.moe.layer import MoELayer
+from lightning_ep.parallel.balance import update_expert_biases
+from lightning_ep.parallel.fsdp import check_all_sharded, gradient_sync, shard_model
+from lightning_ep.parallel.grad_norm import clip_grad_norm_
+from lightning_ep.parallel.mesh import check_layout, dense_mesh, init_mesh
+from lightning_ep.transform import moe_layers, transform
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+_DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+class ExpertParallelStrategy(ModelParallelStrategy):
+    """Expert parallelism for the MoE blocks of a Hugging Face model, FSDP2 for everything else.
+
+    The LightningModule builds its Hugging Face model in ``configure_model`` (on the meta device
+    if it likes, under ``trainer.init_module(empty_init=True)``); training code is unchanged.
+
+    Args:
+        degree: expert-parallel degree ``d`` (ranks that split the experts of each layer). ``"auto"``
+            picks the largest divisor of the expert count that also divides the devices per node,
+            so the all-to-all stays on the node's fast links.
+        replicate_degree: HSDP replicate degree ``R``; the world is ``R * E_dp * d`` ranks.
+        moe: routing, balancing and dispatch options (``MoEConfig``).
+        activation_checkpointing: recompute each decoder layer in backward.
+        reshard_after_forward: free gathered parameters after forward (ZeRO-3); ``False`` keeps them
+            until backward (ZeRO-2: more memory, fewer all-gathers).
+        save_distributed_checkpoint: ``True`` saves one shard per rank (resumable at any degree);
+            ``False`` gathers a single full checkpoint on rank 0.
+        log_moe_losses: log the per-layer and total aux and z losses after each training step.
+        tensor_parallel_size: must be 1; tensor parallelism alongside EP is not supported.
+        process_group_backend: ``"nccl"``, ``"gloo"``, or ``None`` for the device's default.
+        timeout: collective timeout.
+    """
+
+    def __init__(
+        self,
+        degree: int | Literal["auto"] = 1,
+        *,
+        replicate_degree: int = 1,
+        moe: MoEConfig | None = None,
+        activation_checkpointing: bool = False,
+        reshard_after_forward: bool = True,
+        save_distributed_checkpoint: bool = True,
+        log_moe_losses: bool = True,
+        tensor_parallel_size: int = 1,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = _DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size="auto",
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
+            raise ValueError(
+                f"ExpertParallelStrategy(degree={degree!r}): pass an int >= 1 that divides the world size and "
+                "the expert count, or 'auto'."
+            )
+        if isinstance(replicate_degree, bool) or not isinstance(replicate_degree, int) or replicate_degree < 1:
+            raise ValueError(f"ExpertParallelStrategy(replicate_degree={replicate_degree!r}): pass an int >= 1.")
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"ExpertParallelStrategy(tensor_parallel_size={tensor_parallel_size!r}): tensor parallelism "
+                "cannot be combined with expert parallelism here; use tensor_parallel_size=1 and spread the "
+                "experts with `degree` instead."
+            )
+        if moe is not None and not isinstance(moe, MoEConfig):
+            raise TypeError(f"ExpertParallelStrategy(moe=...) must be a MoEConfig, got {type(moe).__name__}.")
+        if moe is not None and not moe.smp_moe:
+            if degree not in (1, "auto"):
+                raise ValueError(
+                    f"ExpertParallelStrategy(degree={degree!r}) with MoEConfig(smp_moe=False): the model keeps its "
+                    "own MoE blocks, which cannot be split across ranks; use degree=1 or smp_moe=True."
+                )
+            degree = 1
+        self._degree: int | Literal["auto"] = degree
+        self.replicate_degree = replicate_degree
+        self.moe = moe if moe is not None else MoEConfig()
+        self.activation_checkpointing = activation_checkpointing
+        self.reshard_after_forward = reshard_after_forward
+        self.log_moe_losses = log_moe_losses
+        self._hf_model: nn.Module | None = None
+
+    @property
+    def degree(self) -> int | Literal["auto"]:
+        """The expert-parallel degree (an int once resolved)."""
+        return self._degree
+
+    # ----------------------------------------------------------------------------- environment
+
+    @override
+    def setup_environment(self) -> None:
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        if precision not in SUPPORTED_PRECISION:
+            raise ValueError(
+                f"ExpertParallelStrategy does not support precision={precision!r}; choose one of "
+                f"{list(SUPPORTED_PRECISION)} (bf16 gives the speed of half precision without loss scaling)."
+            )
+        self._setup_distributed()
+        if self._degree != "auto":
+            self._build_mesh(self._degree)
+
+    def _build_mesh(self, degree: int) -> None:
+        try:
+            check_layout(self.world_size, degree, self.replicate_degree)
+        except ValueError as error:
+            raise ValueError(f"ExpertParallelStrategy: {error}") from None
+        self._degree = degree
+        self._device_mesh = init_mesh(degree, replicate_degree=self.replicate_degree, device_type=self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _auto_degree(self, num_experts: int) -> int:
+        per_node = self.num_processes
+        for d in range(math.gcd(num_experts, per_node), 0, -1):
+            if num_experts % d == 0 and per_node % d == 0 and self.world_size % (d * self.replicate_degree) == 0:
+                return d
+        return 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank, EP ranks included, is a data-parallel rank with its own data.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # ----------------------------------------------------------------------------- setup
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+        if on_meta and not is_overridden("configure_model", module):
+            raise TypeError(
+                f"{type(module).__name__} holds meta-device weights but does not override configure_model(); "
+                "build the Hugging Face model inside configure_model() so the strategy can shard and "
+                "materialise it."
+            )
+        hf_model = self._find_moe_model(module)
+        if self._degree == "auto":
+            self._build_mesh(self._auto_degree(self._num_experts(hf_model)))
+        self._parallelize(hf_model)
+        if any(t.is_meta for t in (*hf_model.parameters(), *hf_model.buffers())):
+            materialize(hf_model, self.root_device)
+            folder = getattr(hf_model, PRETRAINED_ATTR, None)
+            if folder is not None:
+                from lightning_ep.models.hf_io import load_pretrained_sharded
+
+                load_pretrained_sharded(hf_model, folder)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        check_all_sharded(module)
+        self._configure_moe_layers(trainer)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self.setup_precision_plugin()
+        self._use_mesh_aware_clipping()
+
+    def _find_moe_model(self, module: nn.Module) -> nn.Module:
+        """The outermost Hugging Face model inside the LightningModule that has MoE blocks."""
+        candidates = [m for m in module.modules() if hasattr(getattr(m, "config", None), "model_type")]
+        for candidate in candidates:
+            if moe_layers(candidate):
+                return candidate
+            if self.moe.smp_moe:
+                if find_moe_blocks(candidate, family_for(candidate)):
+                    return candidate
+            elif getattr(candidate, "_no_split_modules", None):
+                return candidate
+        raise ValueError(
+            f"ExpertParallelStrategy found no MoE block in {type(module).__name__}: build a supported Hugging Face "
+            "MoE model (e.g. MixtralForCausalLM) as an attribute of the LightningModule in configure_model(); "
+            f"found {[type(c).__name__ for c in candidates] or 'no Hugging Face model'}."
+        )
+
+    @staticmethod
+    def _num_experts(hf_model: nn.Module) -> int:
+        layers = moe_layers(hf_model)
+        if layers:
+            return layers[0].num_experts
+        family = family_for(hf_model)
+        _, block = find_moe_blocks(hf_model, family)[0]
+        return int(block.get_parameter(family.gate_up_proj).shape[0])
+
+    def _mp_policy(self) -> MixedPrecisionPolicy | None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.precision_plugin.precision in ("bf16-mixed", "bf16-true"):
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return None
+
+    def _parallelize(self, hf_model: nn.Module) -> None:
+        """Transform, optionally checkpoint, and shard ``hf_model`` (idempotent)."""
+        self._hf_model = hf_model
+        if any(isinstance(p, DTensor) for p in hf_model.parameters()):
+            return
+        mesh = self.device_mesh
+        if self.activation_checkpointing:
+            enable = getattr(hf_model, "gradient_checkpointing_enable", None)
+            if not callable(enable):
+                raise TypeError(
+                    f"ExpertParallelStrategy(activation_checkpointing=True): {type(hf_model).__name__} has no "
+                    "gradient_checkpointing_enable(); pass a Hugging Face model or activation_checkpointing=False."
+                )
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.moe.smp_moe:
+            transform(hf_model, self.moe, mesh=mesh)
+            shard_model(hf_model, mesh, mp_policy=self._mp_policy(), reshard_after_forward=self.reshard_after_forward)
+            return
+        self._shard_dense_only(hf_model)
+
+    def _shard_dense_only(self, hf_model: nn.Module) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = dense_mesh(self.device_mesh)
+        mesh = mesh if mesh.size(0) > 1 else mesh["shard"]
+        kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
+        if (policy := self._mp_policy()) is not None:
+            kwargs["mp_policy"] = policy
+        block_names = set(getattr(hf_model, "_no_split_modules", None) or [])
+        for block in [m for m in hf_model.modules() if type(m).__name__ in block_names]:
+            fully_shard(block, mesh=mesh, **kwargs)
+        fully_shard(hf_model, mesh=mesh, **kwargs)
+
+    def _configure_moe_layers(self, trainer: pl.Trainer) -> None:
+        # Lightning divides the loss by accumulate_grad_batches; the router losses must follow.
+        scale = 1.0
+        if self.lightning_module is not None and self.lightning_module.automatic_optimization:
+            scale = 1.0 / trainer.accumulate_grad_batches
+        for layer in self._layers():
+            layer.loss_scale = scale
+
+    def _layers(self) -> list[MoELayer]:
+        return moe_layers(self._hf_model) if self._hf_model is not None else []
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._hf_model is not None:
+            update_expert_biases(self._hf_model)
+
+    # ----------------------------------------------------------------------------- training
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip FSDP2 gradient reduction on the non-final micro-batches of gradient accumulation."""
+        if self._hf_model is None:
+            yield None
+            return
+        gradient_sync(self._hf_model, False)
+        try:
+            yield None
+        finally:
+            gradient_sync(self._hf_model, True)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.log_moe_losses:
+            self._log_moe_losses()
+        return output
+
+    def _log_moe_losses(self) -> None:
+        """Per-layer and total aux and z losses, averaged over ranks with one collective."""
+        layers = self._layers()
+        module = self.lightning_module
+        if not layers or module is None or module._current_fx_name != "training_step":
+            return
+        device = self.root_device
+        stacked = torch.stack([*(lr.aux_loss for lr in layers), *(lr.z_loss for lr in layers)]).to(device)
+        stacked = _sync_ddp_if_available(stacked.float(), reduce_op="mean")
+        aux, z = stacked[: len(layers)], stacked[len(layers) :]
+        metrics = {"moe/aux_loss": aux.sum(), "moe/z_loss": z.sum()}
+        module.log_dict(metrics, prog_bar=True, sync_dist=False, on_step=True, on_epoch=False)
+        per_layer = {f"moe/layer_{i}/aux_loss": aux[i] for i in range(len(layers))}
+        per_layer |= {f"moe/layer_{i}/z_loss": z[i] for i in range(len(layers))}
+        module.log_dict(per_layer, sync_dist=False, on_step=True, on_epoch=False)
+
+    def _use_mesh_aware_clipping(self) -> None:
+        """Route Lightning's ``gradient_clip_val`` through ``clip_grad_norm_``.
+
+        ``torch.nn.utils.clip_grad_norm_`` fails once parameters live on two meshes; the exact
+        norm needs per-mesh partial norms combined across ranks.
+        """
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(_self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+            clip_grad_norm_(list(plugin.main_params(optimizer)), clip_val)
+
+        def clip_grad_by_value(_self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+            for p in plugin.main_params(optimizer):
+                if p.grad is not None:
+                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    grad.clamp_(-clip_val, clip_val)
+
+        plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = types.MethodType(clip_grad_by_value, plugin)  # type: ignore[method-assign]

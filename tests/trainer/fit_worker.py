@@ -1,0 +1,192 @@
+"""One training run for the Trainer-level tests, launched as ``torchrun --nproc-per-node N fit_worker.py``.
+
+``--reference`` runs the one-process reference instead (plain torch, no Trainer): the unsharded
+model on every rank's micro-batch in turn, losses and gradients averaged, like data parallelism.
+Rank 0 writes ``{"losses": [mean loss over ranks per step], ...}`` as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import lightning_ep
+from lightning_ep import ExpertParallelStrategy, MoEConfig
+
+VOCAB = 128
+SEQ = 16
+
+
+def model_config():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+
+
+def build_model():
+    from transformers import MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(model_config()).float()
+
+
+class Tokens(Dataset):
+    """``n`` fixed random sequences; sample ``i`` is the same in every run."""
+
+    def __init__(self, n: int) -> None:
+        self.data = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+
+class Module(LightningModule):
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.lr = lr
+        self.model: torch.nn.Module | None = None
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build_model()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        self.losses.append(mean.item() / dist.get_world_size())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=1e-6, foreach=False)
+
+
+class SaveAt(Callback):
+    """Save a checkpoint after optimizer step ``step``."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and not getattr(self, "done", False):
+            self.done = True
+            trainer.save_checkpoint(self.path)
+
+
+def run_trainer(args: argparse.Namespace) -> dict:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    moe = MoEConfig(moe_load_balancing=args.mode, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    strategy = ExpertParallelStrategy(
+        args.degree,
+        replicate_degree=args.replicate,
+        moe=moe,
+        save_distributed_checkpoint=not args.full_checkpoint,
+        process_group_backend="gloo",
+        timeout=timedelta(seconds=120),
+    )
+    callbacks = [SaveAt(args.save_at, args.save_to)] if args.save_to else []
+    logger = CSVLogger(args.log_dir, name="run") if args.log_dir else False
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip,
+        logger=logger,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=True,
+    )
+    module = Module(args.lr)
+    data = DataLoader(Tokens(args.samples), batch_size=args.batch, shuffle=False, drop_last=True)
+    trainer.fit(module, data, ckpt_path=args.resume)
+    return {"losses": module.losses, "degree": strategy.degree}
+
+
+def run_reference(args: argparse.Namespace) -> dict:
+    """The unsharded model, every rank's micro-batch in turn (DistributedSampler order, no shuffle)."""
+    world, steps, batch = args.world, args.steps, args.batch
+    model = lightning_ep.transform(build_model(), MoEConfig(moe_load_balancing=args.mode, moe_aux_loss_coeff=0.01))
+    for layer in lightning_ep.moe_layers(model):
+        layer.loss_scale = 1.0 / world
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=1e-6, foreach=False)
+    dataset = Tokens(args.samples)
+    batches_per_epoch = len(dataset) // world // batch
+    losses = []
+    for step in range(steps):
+        epoch, i = divmod(step, batches_per_epoch)
+        optimizer.zero_grad()
+        total = 0.0
+        for r in range(world):
+            # What Lightning's DistributedSampler (shuffle=True, seed=0) gives rank r this epoch.
+            sampler = DistributedSampler(dataset, num_replicas=world, rank=r, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            ids = dataset.data[list(sampler)[i * batch : (i + 1) * batch]]
+            loss = model(input_ids=ids, labels=ids).loss / world
+            loss.backward()
+            total += loss.item()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        losses.append(total)
+    return {"losses": losses}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--world", type=int, default=4, help="ranks the reference emulates")
+    parser.add_argument("--degree", default="2")
+    parser.add_argument("--replicate", type=int, default=1)
+    parser.add_argument("--mode", default="none")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=16, help="dataset size (epoch = samples / world / batch)")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--full-checkpoint", action="store_true")
+    parser.add_argument("--save-at", type=int, default=2)
+    parser.add_argument("--save-to", default=None)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--log-dir", default=None)
+    args = parser.parse_args()
+    args.degree = args.degree if args.degree == "auto" else int(args.degree)
+    result = run_reference(args) if args.reference else run_trainer(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

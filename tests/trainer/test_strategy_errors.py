@@ -1,0 +1,157 @@
+"""Bad configurations fail before the first training step, with a message naming the fix."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
+
+from lightning_ep import ExpertParallelStrategy, MoEConfig
+
+
+class Module(LightningModule):
+    def __init__(self, build=None) -> None:
+        super().__init__()
+        self.build = build
+        self.model = None
+        self.steps = 0
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self.build()
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class NoConfigureModel(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.device("meta"):
+            self.model = _mixtral()
+
+    def training_step(self, batch, batch_idx):
+        raise AssertionError("must not be reached")
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _mixtral():
+    from conftest import tiny_mixtral
+
+    return tiny_mixtral()
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(
+        LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    )
+
+
+@pytest.fixture
+def single_process(monkeypatch: pytest.MonkeyPatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _fit(module: LightningModule, strategy: ExpertParallelStrategy, precision: str = "32-true") -> None:
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = DataLoader(torch.randint(0, 128, (4, 8)), batch_size=2)
+    trainer.fit(module, data)
+
+
+def test_degree_not_dividing_world_size(single_process) -> None:
+    module = Module(_mixtral)
+    with pytest.raises(ValueError, match=re.escape("degree=2 does not divide the world size 1; choose one of [1]")):
+        _fit(module, ExpertParallelStrategy(2, process_group_backend="gloo"))
+    assert module.steps == 0
+
+
+def test_model_without_moe_block(single_process) -> None:
+    module = Module(_llama)
+    with pytest.raises(
+        ValueError, match=r"model_type='llama' .* is not a supported MoE family; supported: \['mixtral'"
+    ):
+        _fit(module, ExpertParallelStrategy(1, process_group_backend="gloo"))
+    assert module.steps == 0
+
+
+def test_meta_model_without_configure_model(single_process) -> None:
+    with pytest.raises(TypeError, match="holds meta-device weights but does not override configure_model"):
+        _fit(NoConfigureModel(), ExpertParallelStrategy(1, process_group_backend="gloo"))
+
+
+def test_half_precision_true_refused(single_process) -> None:
+    module = Module(_mixtral)
+    with pytest.raises(ValueError, match=re.escape("does not support precision='16-true'; choose one of")):
+        _fit(module, ExpertParallelStrategy(1, process_group_backend="gloo"), precision="16-true")
+    assert module.steps == 0
+
+
+def test_fp16_mixed_refused_at_trainer_construction() -> None:
+    with pytest.raises(ValueError, match=r"does not support .*precision='16-mixed'.*Choose a different precision"):
+        Trainer(accelerator="cpu", devices=1, strategy=ExpertParallelStrategy(1), precision="16-mixed")
+
+
+def test_smp_moe_false_needs_degree_one() -> None:
+    with pytest.raises(ValueError, match=r"degree=2\) with MoEConfig\(smp_moe=False\).*use degree=1"):
+        ExpertParallelStrategy(2, moe=MoEConfig(smp_moe=False))
+
+
+def test_smp_moe_false_trains_the_models_own_blocks(single_process) -> None:
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from lightning_ep import moe_layers
+
+    module = Module(_mixtral)
+    _fit(module, ExpertParallelStrategy("auto", moe=MoEConfig(smp_moe=False), process_group_backend="gloo"))
+    assert module.steps == 1
+    assert not moe_layers(module.model)
+    assert any(isinstance(m, MixtralSparseMoeBlock) for m in module.model.modules())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {"tensor_parallel_size": 2},
+            ValueError,
+            "tensor parallelism cannot be combined with expert parallelism",
+        ),
+        ({"degree": 0}, ValueError, r"degree=0\): pass an int >= 1 .* or 'auto'"),
+        ({"degree": "three"}, ValueError, r"degree='three'\): pass an int >= 1"),
+        ({"replicate_degree": 0}, ValueError, r"replicate_degree=0\): pass an int >= 1"),
+        ({"moe": {"moe_load_balancing": "none"}}, TypeError, "moe=...\\) must be a MoEConfig, got dict"),
+    ],
+)
+def test_constructor_arguments(kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        ExpertParallelStrategy(**kwargs)
+
+
+def test_registered_name() -> None:
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="expert_parallel", logger=False)
+    assert isinstance(trainer.strategy, ExpertParallelStrategy)
+    assert trainer.strategy.degree == 1
