@@ -35,6 +35,12 @@ class MoEFamily:
         activation: config field with the activation name (an ``ACT2FN`` key).
         jitter: config field with the multiplicative router jitter, or ``None``.
         normalize_weights: config field (or a fixed bool) deciding top-k renormalisation.
+        disk_renames: ``(in memory, on disk)`` substring pairs that turn a state-dict key into its
+            name in ``save_pretrained`` files, as transformers' ``WeightRenaming`` does.
+        disk_gate_up_proj: per-expert on-disk keys relative to the block (``{e}`` = expert index)
+            whose rows, stacked in this order, are expert ``e`` of ``gate_up_proj`` ``[E, 2I, H]``;
+            empty when checkpoints store the fused tensor.
+        disk_down_proj: the same for ``down_proj`` ``[E, H, I]``.
     """
 
     name: str
@@ -47,6 +53,9 @@ class MoEFamily:
     activation: str = "hidden_act"
     jitter: str | None = None
     normalize_weights: str | bool = True
+    disk_renames: tuple[tuple[str, str], ...] = ()
+    disk_gate_up_proj: tuple[str, ...] = ()
+    disk_down_proj: tuple[str, ...] = ()
 
     def build_layer(self, block: nn.Module, hf_config: Any, config: MoEConfig, layer_index: int) -> MoELayer:
         """A ``MoELayer`` computing what ``block`` computes, sharing its parameters."""

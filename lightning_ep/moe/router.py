@@ -125,8 +125,12 @@ class TopKRouter(nn.Module):
             return super()._apply(fn, recurse)
         bias, load = self.expert_bias, self.pending_load
         super()._apply(fn, recurse)
-        self.expert_bias = bias.to(device=self.expert_bias.device)
-        self.pending_load = load.to(device=self.pending_load.device)
+        if bias.is_meta:  # to_empty(): nothing to keep; fp32 storage on the new device
+            self.expert_bias = torch.empty_like(bias, device=self.expert_bias.device)
+            self.pending_load = torch.empty_like(load, device=self.pending_load.device)
+        else:
+            self.expert_bias = bias.to(device=self.expert_bias.device)
+            self.pending_load = load.to(device=self.pending_load.device)
         return self
 
     def forward(self, x_TH: torch.Tensor) -> Routing:

@@ -23,17 +23,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined by a gloo group."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined by a process group
+    (gloo on the CPU; ``backend="nccl"``: one GPU per rank)."""
+    mp.spawn(_entry, args=(world, free_port(), backend, fn, args), nprocs=world, join=True)

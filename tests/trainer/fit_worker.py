@@ -104,6 +104,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
         replicate_degree=args.replicate,
         moe=moe,
         save_distributed_checkpoint=not args.full_checkpoint,
+        activation_checkpointing=args.activation_checkpointing,
         process_group_backend="gloo",
         timeout=timedelta(seconds=120),
     )
@@ -128,7 +129,8 @@ def run_trainer(args: argparse.Namespace) -> dict:
     module = Module(args.lr)
     data = DataLoader(Tokens(args.samples), batch_size=args.batch, shuffle=False, drop_last=True)
     trainer.fit(module, data, ckpt_path=args.resume)
-    return {"losses": module.losses, "degree": strategy.degree}
+    checkpointed = getattr(module.model, "is_gradient_checkpointing", False)
+    return {"losses": module.losses, "degree": strategy.degree, "checkpointed": bool(checkpointed)}
 
 
 def run_reference(args: argparse.Namespace) -> dict:
@@ -177,6 +179,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--full-checkpoint", action="store_true")
+    parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--save-at", type=int, default=2)
     parser.add_argument("--save-to", default=None)
     parser.add_argument("--resume", default=None)

@@ -71,12 +71,18 @@ def test_degree_2_matches_reference(runs: dict) -> None:
 
 @pytest.mark.parametrize(
     ("args", "degree"),
-    [(("--degree", "1"), 1), (("--degree", "auto"), 4), (("--degree", "2", "--replicate", "2"), 2)],
-    ids=["degree1", "auto-is-4", "degree2-replicate2"],
+    [
+        (("--degree", "1"), 1),
+        (("--degree", "auto"), 4),
+        (("--degree", "2", "--replicate", "2"), 2),
+        (("--degree", "2", "--activation-checkpointing"), 2),
+    ],
+    ids=["degree1", "auto-is-4", "degree2-replicate2", "degree2-activation-checkpointing"],
 )
 def test_every_layout_matches_reference(runs: dict, args: tuple[str, ...], degree: int) -> None:
     result = run(runs["tmp"], "layout-" + "-".join(args).replace("--", ""), *args)
     assert result["degree"] == degree
+    assert result["checkpointed"] == ("--activation-checkpointing" in args)
     assert_close(result["losses"], runs["ref"]["losses"])
 
 

@@ -406,3 +406,13 @@ def test_hf_gradient_checkpointing_keeps_jitter_gradients():
     assert len(calls) == 4  # two MoE layers, each run once and recomputed once
     for (name, p), q in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
         assert rel_err(q.grad, p.grad) < 1e-6, name
+
+
+def test_balanced_router_materializes_from_meta():
+    from lightning_ep.moe.router import TopKRouter
+
+    with torch.device("meta"):
+        router = TopKRouter(torch.nn.Parameter(torch.empty(8, 64)), top_k=2, mode="balanced")
+    router.to_empty(device="cpu")
+    assert router.expert_bias.device.type == "cpu" and router.expert_bias.dtype == torch.float32
+    assert router.pending_load.device.type == "cpu" and router.pending_load.dtype == torch.float32

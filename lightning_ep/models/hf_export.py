@@ -1,0 +1,319 @@
+"""``export_hf``: a trained expert-parallel model, live or checkpointed, as a Hugging Face folder.
+
+The folder is what ``save_pretrained`` writes (per-expert on-disk keys for Mixtral), so
+``AutoModelForCausalLM.from_pretrained`` loads it on one process. Legend: E experts, I expert
+intermediate size, H hidden size.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import shutil
+import warnings
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# Persistent buffers this library adds to Hugging Face modules ("balanced" mode's router bias).
+LIBRARY_BUFFERS = ("expert_bias",)
+# Files of a Hugging Face folder, besides weights and config.json, that export_hf copies along.
+COMPANION_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+PathLike = str | os.PathLike
+
+
+def export_hf(
+    source: nn.Module | Mapping[str, Any] | PathLike,
+    out_dir: PathLike,
+    *,
+    hf_config_or_folder: Any,
+    prefix: str | None = None,
+) -> Path:
+    """Write a trained model as a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained``
+    loads on one process.
+
+    ``source`` is one of:
+
+    - a live model, sharded or not (the Hugging Face model, or a ``LightningModule`` holding it).
+      Under an initialised process group every rank must call ``export_hf``: the full state dict is
+      gathered to rank 0's CPU (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``),
+      rank 0 writes and then tells the other ranks, which wait for it (an error on rank 0 is raised
+      on every rank).
+    - a checkpoint written by Lightning's ``ModelParallelStrategy.save_checkpoint`` (and so by
+      ``ExpertParallelStrategy``): a directory of ``torch.distributed.checkpoint`` files (sharded;
+      ``.metadata``, ``*.distcp``, ``meta.pt``) whose top-level ``"state_dict"`` holds the
+      ``LightningModule``'s keys, or a single ``torch.save`` file with a ``"state_dict"`` entry
+      (full). A DCP directory without ``"state_dict"`` is read as a plain model state dict. It is
+      read on one process, no process group needed (DCP's ``no_dist`` load); the file with
+      ``torch.load(weights_only=True, mmap=True)``. Optimizer states are not read.
+    - a state dict, or a checkpoint dict with a ``"state_dict"`` entry.
+
+    Keys are ``prefix`` + the Hugging Face names with global shapes, e.g. ``"model."`` +
+    ``"model.layers.0.mlp.experts.gate_up_proj"`` (``[E, 2I, H]``) for a ``LightningModule`` whose
+    ``self.model`` is the ``MixtralForCausalLM``. Keys outside the prefix are ignored.
+
+    This library's ``gate.expert_bias`` buffers (``moe_load_balancing="balanced"``) are dropped:
+    the Hugging Face router has no such bias, so the exported model picks experts by the unbiased
+    router probabilities, as ``"none"`` mode does. Where a bias is non-zero this can change some
+    selections and hence the outputs; a warning says so.
+
+    The Hugging Face model is built from the config on the meta device, takes the tensors
+    (``load_state_dict(strict=True, assign=True)``, re-tying tied embeddings) and is written with
+    ``save_pretrained``, which splits fused experts back into the family's per-expert on-disk keys
+    (Mixtral: ``block_sparse_moe.experts.{e}.w1/w2/w3.weight``). Tokenizer and generation files of
+    ``hf_config_or_folder`` are copied along.
+
+    Args:
+        source: a model, a state dict, or a checkpoint path (see above).
+        out_dir: the folder to write (created if needed).
+        hf_config_or_folder: the ``PretrainedConfig`` the model was built from, its ``config.json``,
+            or the Hugging Face folder holding it.
+        prefix: what precedes the Hugging Face names in the keys (``"model."`` for ``self.model``);
+            ``None`` detects it: the prefix under which the most keys are names of the config's model.
+    Returns:
+        ``out_dir`` as a ``Path``, on every rank.
+    Raises:
+        TypeError: ``source`` or ``hf_config_or_folder`` has an unsupported type.
+        FileNotFoundError: a path that does not exist.
+        ValueError: a directory that is not a DCP checkpoint, a file ``torch.load`` refuses with
+            ``weights_only=True``, a prefix that matches no key or an ambiguous one, or keys and
+            shapes that do not match the config.
+        RuntimeError: on ranks other than 0, when rank 0 failed.
+    """
+    config = _hf_config(hf_config_or_folder)
+    out_dir = Path(out_dir)
+    if not isinstance(source, (nn.Module, Mapping, str, os.PathLike)):
+        raise TypeError(
+            f"export_hf(source=...) must be a model, a state dict or a checkpoint path, got {type(source).__name__}."
+        )
+    distributed = dist.is_available() and dist.is_initialized()
+    state = _gather_full_state(source) if isinstance(source, nn.Module) else None
+    error: BaseException | None = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            if state is None:
+                state = _read_checkpoint(source)  # type: ignore[arg-type]
+            _write_folder(state, out_dir, config, prefix, hf_config_or_folder)
+        except Exception as err:  # re-raised below, after telling the other ranks
+            error = err
+    if distributed:
+        message = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(message, src=0)
+        if error is None and message[0] is not None:
+            raise RuntimeError(f"export_hf failed on rank 0: {message[0]}")
+    if error is not None:
+        raise error
+    return out_dir
+
+
+def _hf_config(value: Any) -> Any:
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(value, PretrainedConfig):
+        return copy.deepcopy(value)
+    if isinstance(value, (str, os.PathLike)):
+        path = Path(value)
+        if path.is_file() or (path / "config.json").is_file():
+            return AutoConfig.from_pretrained(str(path))
+        raise FileNotFoundError(
+            f"export_hf(hf_config_or_folder={str(value)!r}): neither a folder with a config.json nor a "
+            "config JSON file; pass the Hugging Face folder the model was built from, its config.json, "
+            "or a PretrainedConfig."
+        )
+    raise TypeError(
+        f"export_hf(hf_config_or_folder=...) must be a PretrainedConfig, a folder or a config.json path, "
+        f"got {type(value).__name__}."
+    )
+
+
+def _gather_full_state(model: nn.Module) -> dict[str, Any] | None:
+    """The full state dict on rank 0's CPU (collective under a process group); ``None`` elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return state if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0 else None
+
+
+def _read_checkpoint(source: Mapping[str, Any] | PathLike) -> dict[str, Any]:
+    """A flat ``{key: tensor}`` from a state dict, a checkpoint dict, a DCP directory or a file."""
+    if isinstance(source, Mapping):
+        inner = source.get("state_dict")
+        return dict(inner if isinstance(inner, Mapping) else source)
+    path = Path(source)
+    if path.is_dir():
+        if not (path / ".metadata").is_file():
+            raise ValueError(
+                f"export_hf(source={str(path)!r}): the directory has no .metadata file, so it is not a "
+                "torch.distributed.checkpoint (DCP) checkpoint; pass the directory that "
+                "ModelParallelStrategy.save_checkpoint wrote (.metadata, *.distcp, meta.pt) or a full "
+                "checkpoint file."
+            )
+        return _read_dcp(path)
+    if path.is_file():
+        try:
+            loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(
+                f"export_hf(source={str(path)!r}): torch.load(weights_only=True) refuses this file "
+                f"({str(err).splitlines()[0]}). If you trust it, load it yourself with "
+                "torch.load(path, weights_only=False) and pass checkpoint['state_dict'] as source."
+            ) from err
+        if not isinstance(loaded, Mapping):
+            raise ValueError(
+                f"export_hf(source={str(path)!r}): the file holds a {type(loaded).__name__}, not a "
+                "checkpoint dict or a state dict."
+            )
+        return _read_checkpoint(loaded)
+    raise FileNotFoundError(
+        f"export_hf(source={str(path)!r}): no such file or directory; pass a Lightning checkpoint "
+        "(a file, or a sharded checkpoint directory), a state dict or a model."
+    )
+
+
+def _read_dcp(path: Path) -> dict[str, Any]:
+    """The tensors of a DCP checkpoint's ``"state_dict"`` (or of a plain model state dict), loaded
+    full on this process without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    tensors = {
+        fqn: meta for fqn, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)
+    }
+    paths = {fqn: tuple(metadata.planner_data[fqn]) if metadata.planner_data else (fqn,) for fqn in tensors}
+    lightning = any(p[0] == "state_dict" and len(p) == 2 for p in paths.values())
+    state: dict[str, Any] = {}
+    for fqn, meta in tensors.items():
+        obj_path = paths[fqn]
+        if lightning and (obj_path[0] != "state_dict" or len(obj_path) != 2):
+            continue  # optimizer states and the like
+        if not lightning and len(obj_path) != 1:
+            continue
+        state[str(obj_path[-1])] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*no_dist.*|.*single process.*")
+        dcp.load({"state_dict": state} if lightning else state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def _write_folder(
+    state: dict[str, Any], out_dir: Path, config: Any, prefix: str | None, hf_config_or_folder: Any
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config)
+    expected = {key: tuple(t.shape) for key, t in hf_model.state_dict().items()}
+    state = _strip_prefix(state, expected, prefix, config)
+    state = _drop_library_buffers(state, expected)
+    _check_keys(state, expected, config, hf_config_or_folder)
+    hf_model.load_state_dict(state, strict=True, assign=True)
+    hf_model.tie_weights()
+    hf_model.save_pretrained(out_dir)
+    if isinstance(hf_config_or_folder, (str, os.PathLike)) and Path(hf_config_or_folder).is_dir():
+        for name in COMPANION_FILES:
+            if (Path(hf_config_or_folder) / name).is_file():
+                shutil.copy2(Path(hf_config_or_folder) / name, out_dir / name)
+
+
+def detect_prefix(keys: list[str] | set[str], hf_keys: Mapping[str, Any] | set[str]) -> str:
+    """The prefix ``p`` such that the most ``keys`` are ``p + name`` with ``name`` in ``hf_keys``.
+
+    ``p`` is empty or ends with a dot. Raises ``ValueError`` when no key matches, or when several
+    prefixes match equally many (e.g. a module holding the model twice).
+    """
+    counts: Counter[str] = Counter()
+    for key in keys:
+        for start in (0, *(i + 1 for i, ch in enumerate(key) if ch == ".")):
+            if key[start:] in hf_keys:
+                counts[key[:start]] += 1
+    if not counts:
+        raise ValueError(
+            f"export_hf: no checkpoint key ends with a parameter name of the model built from the config "
+            f"(e.g. {sorted(hf_keys)[:2]}); the checkpoint keys look like {sorted(keys)[:3]}. Pass the "
+            "config the model was trained with."
+        )
+    best = max(counts.values())
+    tied = sorted(p for p, c in counts.items() if c == best)
+    if len(tied) > 1:
+        raise ValueError(
+            f"export_hf: the checkpoint holds {best} weights of the model under each of the prefixes "
+            f"{tied}; pass prefix= (--prefix on the command line) to choose one."
+        )
+    return tied[0]
+
+
+def _strip_prefix(
+    state: Mapping[str, Any], expected: Mapping[str, Any], prefix: str | None, config: Any
+) -> dict[str, Any]:
+    keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+    if prefix is None:
+        prefix = detect_prefix(keys, expected)
+    picked = {k[len(prefix) :]: state[k] for k in keys if k.startswith(prefix)}
+    if not picked:
+        raise ValueError(
+            f"export_hf(prefix={prefix!r}): no checkpoint key starts with it; the keys look like "
+            f"{sorted(keys)[:3]}. Pass the attribute path of the {config.model_type} model inside your "
+            "LightningModule followed by a dot (e.g. 'model.'), or prefix=None to detect it."
+        )
+    return picked
+
+
+def _drop_library_buffers(state: dict[str, Any], expected: Mapping[str, Any]) -> dict[str, Any]:
+    dropped = [k for k in state if k not in expected and k.rpartition(".")[2] in LIBRARY_BUFFERS]
+    biased = [k for k in dropped if bool(state[k].detach().abs().max() > 0)]
+    if biased:
+        largest = max(float(state[k].detach().abs().max()) for k in biased)
+        warnings.warn(
+            f"export_hf: dropped {len(dropped)} 'balanced'-mode expert biases ({len(biased)} non-zero, "
+            f"e.g. {biased[0]!r}, largest |b| = {largest:.3g}); the Hugging Face router has no such bias, "
+            "so the exported model selects experts by the unbiased router probabilities and may route "
+            "some tokens differently from the trained model.",
+            stacklevel=4,
+        )
+    return {k: v for k, v in state.items() if k not in dropped}
+
+
+def _check_keys(
+    state: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], config: Any, hf_config_or_folder: Any
+) -> None:
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    mismatched = [
+        f"{k}: checkpoint {list(state[k].shape)} vs config {list(expected[k])}"
+        for k in sorted(set(state) & set(expected))
+        if tuple(state[k].shape) != expected[k]
+    ]
+    if missing or unexpected or mismatched:
+        source = (
+            "a PretrainedConfig"
+            if not isinstance(hf_config_or_folder, (str, os.PathLike))
+            else repr(str(hf_config_or_folder))
+        )
+        raise ValueError(
+            f"export_hf: the checkpoint does not match the {config.model_type} model of "
+            f"hf_config_or_folder={source}: {len(missing)} missing (e.g. {missing[:3]}), "
+            f"{len(unexpected)} unexpected (e.g. {unexpected[:3]}), {len(mismatched)} shape mismatches "
+            f"(e.g. {mismatched[:3]}). Pass the config the model was trained with (or the right prefix=)."
+        )
+
+
+__all__ = ["COMPANION_FILES", "LIBRARY_BUFFERS", "detect_prefix", "export_hf"]
