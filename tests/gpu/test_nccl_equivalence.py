@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
-from harness import spawn  # noqa: E402
-from workers import Case, run_cases  # noqa: E402
+from harness import spawn
+from workers import Case, run_cases
 
 pytestmark = [
     pytest.mark.gpu,
