@@ -8,10 +8,12 @@ everything with FSDP2, materialises meta weights, and then lets Lightning set up
 from __future__ import annotations
 
 import math
+import shutil
 import types
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -20,6 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
@@ -39,6 +42,16 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+PARTIAL_SUFFIX = ".partial"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
@@ -60,6 +73,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: ``True`` saves one shard per rank (resumable at any degree);
             ``False`` gathers a single full checkpoint on rank 0.
         log_moe_losses: log the per-layer and total aux and z losses after each training step.
+        check_finite: after each training forward, raise ``FloatingPointError`` naming the MoE layer
+            and the step if a router logit or a layer output is NaN or infinite. The flags ride on
+            the loss-logging collective, so it costs no extra host sync; ``False`` skips it.
+        deterministic: ``torch.use_deterministic_algorithms(True)`` for the run; with the same seed,
+            two CPU runs give bitwise-identical losses (see the README for GPU).
         tensor_parallel_size: must be 1; tensor parallelism alongside EP is not supported.
         process_group_backend: ``"nccl"``, ``"gloo"``, or ``None`` for the device's default.
         timeout: collective timeout.
@@ -75,6 +93,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = True,
         log_moe_losses: bool = True,
+        check_finite: bool = True,
+        deterministic: bool = False,
         tensor_parallel_size: int = 1,
         process_group_backend: str | None = None,
         timeout: timedelta | None = _DEFAULT_TIMEOUT,
@@ -114,6 +134,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
         self.log_moe_losses = log_moe_losses
+        self.check_finite = check_finite
+        self.deterministic = deterministic
         self._hf_model: nn.Module | None = None
 
     @property
@@ -131,6 +153,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 f"ExpertParallelStrategy does not support precision={precision!r}; choose one of "
                 f"{list(SUPPORTED_PRECISION)} (bf16 gives the speed of half precision without loss scaling)."
             )
+        if self.deterministic:
+            torch.use_deterministic_algorithms(True)
         self._setup_distributed()
         if self._degree != "auto":
             self._build_mesh(self._degree)
@@ -270,6 +294,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             scale = 1.0 / trainer.accumulate_grad_batches
         for layer in self._layers():
             layer.loss_scale = scale
+            layer.check_finite = self.check_finite
 
     def _layers(self) -> list[MoELayer]:
         return moe_layers(self._hf_model) if self._hf_model is not None else []
@@ -277,6 +302,52 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._hf_model is not None:
             update_expert_biases(self._hf_model)
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Save atomically: write ``<path>.partial``, then rename it to ``<path>``.
+
+        A process killed mid-save leaves the previous checkpoint untouched and a ``.partial`` folder
+        (or file) that ``load_checkpoint`` refuses by name.
+        """
+        path = Path(self.broadcast(str(filepath)))
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        if self.is_global_zero:
+            _remove(partial)
+        self.barrier()
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier()
+        if self.is_global_zero:
+            old = path.with_name(path.name + ".old")
+            _remove(old)
+            if path.exists():
+                path.rename(old)
+            partial.rename(path)
+            _remove(old)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        if path.name.endswith(PARTIAL_SUFFIX):
+            raise RuntimeError(
+                f"checkpoint {str(path)!r} is incomplete: the run was interrupted while saving it. Resume from "
+                "the previous checkpoint instead (the one without the .partial suffix)."
+            )
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except (ValueError, RuntimeError, KeyError, CheckpointException) as error:  # DCP's is a BaseException
+            failures = getattr(error, "failures", None)  # DCP: {rank: (exception, traceback)}
+            text = str(next(iter(failures.values()))[0]) if failures else str(error)
+            if not any(s in text for s in ("Size mismatch", "Missing key", "Unexpected key", "size mismatch")):
+                raise
+            raise ValueError(
+                f"checkpoint {str(path)!r} was saved from a different model ({text}). Resume with the model "
+                "configuration it was saved from; to start a new model from its weights, export it with "
+                "`python -m lightning_ep.export` and load the matching parameters yourself."
+            ) from error
 
     # ----------------------------------------------------------------------------- training
 
@@ -296,20 +367,34 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self.log_moe_losses:
-            self._log_moe_losses()
+        if self.log_moe_losses or self.check_finite:
+            self._after_training_forward()
         return output
 
-    def _log_moe_losses(self) -> None:
-        """Per-layer and total aux and z losses, averaged over ranks with one collective."""
+    def _after_training_forward(self) -> None:
+        """Average the per-layer losses and non-finite flags over ranks with one collective, raise
+        on a non-finite value, and log the losses."""
         layers = self._layers()
         module = self.lightning_module
         if not layers or module is None or module._current_fx_name != "training_step":
             return
+        n = len(layers)
         device = self.root_device
-        stacked = torch.stack([*(lr.aux_loss for lr in layers), *(lr.z_loss for lr in layers)]).to(device)
-        stacked = _sync_ddp_if_available(stacked.float(), reduce_op="mean")
-        aux, z = stacked[: len(layers)], stacked[len(layers) :]
+        flags = [lr.nonfinite.float() if self.check_finite else torch.zeros(()) for lr in layers]
+        parts = [*(lr.aux_loss for lr in layers), *(lr.z_loss for lr in layers), *flags]
+        stacked = torch.stack([p.to(device=device, dtype=torch.float32) for p in parts])
+        stacked = _sync_ddp_if_available(stacked, reduce_op="mean")
+        aux, z, nonfinite = stacked[:n], stacked[n : 2 * n], stacked[2 * n :]
+        if self.check_finite and bool(nonfinite.any()):
+            bad = [i for i in range(n) if nonfinite[i] > 0]
+            step = module.trainer.global_step if module._trainer is not None else -1
+            raise FloatingPointError(
+                f"non-finite router logits or outputs in MoE layer(s) {bad} at global step {step} (on at least "
+                "one rank). Lower the learning rate, raise moe_z_loss_coeff, or clip gradients; "
+                "ExpertParallelStrategy(check_finite=False) skips this check."
+            )
+        if not self.log_moe_losses:
+            return
         metrics = {"moe/aux_loss": aux.sum(), "moe/z_loss": z.sum()}
         module.log_dict(metrics, prog_bar=True, sync_dist=False, on_step=True, on_epoch=False)
         per_layer = {f"moe/layer_{i}/aux_loss": aux[i] for i in range(len(layers))}

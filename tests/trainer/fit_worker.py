@@ -26,6 +26,9 @@ VOCAB = 128
 SEQ = 16
 
 
+EXPERTS = 8
+
+
 def model_config():
     from transformers import MixtralConfig
 
@@ -36,7 +39,7 @@ def model_config():
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        num_local_experts=8,
+        num_local_experts=EXPERTS,
         num_experts_per_tok=2,
         max_position_embeddings=64,
     )
@@ -68,12 +71,16 @@ class Module(LightningModule):
         self.lr = lr
         self.model: torch.nn.Module | None = None
         self.losses: list[float] = []
+        self.poison_step = -1
 
     def configure_model(self) -> None:
         if self.model is None:
             self.model = build_model()
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.poison_step and dist.get_rank() == 1:
+            # Rank 1 feeds infinities into the second MoE layer: every rank must stop with an error.
+            lightning_ep.moe_layers(self.model)[1].register_forward_pre_hook(lambda m, args: (args[0] * float("inf"),))
         loss = self.model(input_ids=batch, labels=batch).loss
         mean = loss.detach().clone()
         dist.all_reduce(mean)
@@ -85,15 +92,34 @@ class Module(LightningModule):
 
 
 class SaveAt(Callback):
-    """Save a checkpoint after optimizer step ``step``."""
+    """Save a checkpoint after each optimizer step in ``steps``, to ``path`` (``{step}`` is filled in)."""
 
-    def __init__(self, step: int, path: str) -> None:
-        self.step, self.path = step, path
+    def __init__(self, steps: list[int], path: str) -> None:
+        self.steps, self.path = steps, path
+        self.done: set[int] = set()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step and not getattr(self, "done", False):
-            self.done = True
-            trainer.save_checkpoint(self.path)
+        step = trainer.global_step
+        if step in self.steps and step not in self.done:
+            self.done.add(step)
+            trainer.save_checkpoint(self.path.format(step=step))
+
+
+def slow_down_saves_from(step_holder: dict, from_step: int, seconds: float) -> None:
+    """Make sharded saves at ``global_step >= from_step`` hang after writing (the test kills us)."""
+    import time
+
+    import lightning.pytorch.strategies.model_parallel as mp
+
+    original = mp._distributed_checkpoint_save
+
+    def slow(converted_state, path):
+        original(converted_state, path)
+        if step_holder["trainer"].global_step >= from_step:
+            print(f"SAVING {path}", flush=True)
+            time.sleep(seconds)
+
+    mp._distributed_checkpoint_save = slow
 
 
 def run_trainer(args: argparse.Namespace) -> dict:
@@ -104,11 +130,13 @@ def run_trainer(args: argparse.Namespace) -> dict:
         replicate_degree=args.replicate,
         moe=moe,
         save_distributed_checkpoint=not args.full_checkpoint,
+        deterministic=args.deterministic,
         activation_checkpointing=args.activation_checkpointing,
         process_group_backend="gloo",
         timeout=timedelta(seconds=120),
     )
-    callbacks = [SaveAt(args.save_at, args.save_to)] if args.save_to else []
+    save_steps = [int(s) for s in str(args.save_at).split(",")]
+    callbacks = [SaveAt(save_steps, args.save_to)] if args.save_to else []
     logger = CSVLogger(args.log_dir, name="run") if args.log_dir else False
     trainer = Trainer(
         accelerator="cpu",
@@ -127,6 +155,9 @@ def run_trainer(args: argparse.Namespace) -> dict:
         use_distributed_sampler=True,
     )
     module = Module(args.lr)
+    module.poison_step = args.poison_step
+    if args.slow_save_from is not None:
+        slow_down_saves_from({"trainer": trainer}, args.slow_save_from, 600.0)
     data = DataLoader(Tokens(args.samples), batch_size=args.batch, shuffle=False, drop_last=True)
     trainer.fit(module, data, ckpt_path=args.resume)
     checkpointed = getattr(module.model, "is_gradient_checkpointing", False)
@@ -164,6 +195,7 @@ def run_reference(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    global EXPERTS
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--reference", action="store_true")
@@ -180,12 +212,17 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--full-checkpoint", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--save-at", type=int, default=2)
+    parser.add_argument("--save-at", default="2", help="comma-separated optimizer steps")
+    parser.add_argument("--slow-save-from", type=int, default=None)
+    parser.add_argument("--poison-step", type=int, default=-1)
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--save-to", default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--log-dir", default=None)
     args = parser.parse_args()
     args.degree = args.degree if args.degree == "auto" else int(args.degree)
+    EXPERTS = args.experts
     result = run_reference(args) if args.reference else run_trainer(args)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(result))

@@ -1,0 +1,80 @@
+"""Robustness through the Trainer: non-finite values, interrupted checkpoint saves, determinism."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_strategy import WORKER, _free_port, assert_close, run
+
+pytestmark = pytest.mark.distributed
+
+
+def test_non_finite_router_input_stops_every_rank(tmp_path: Path) -> None:
+    out = tmp_path / "poison.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+        str(WORKER), "--out", str(out), "--degree", "2", "--poison-step", "1",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and not out.exists()
+    message = "non-finite router logits or outputs in MoE layer(s) [1] at global step 1"
+    assert result.stderr.count(message) >= 2, result.stderr[-4000:]  # both ranks stop, not only the poisoned one
+
+
+def test_killed_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL while step 3's checkpoint is being written: step 2's stays loadable and resuming from it
+    reproduces the uninterrupted run; the interrupted one is left as `.partial` and refused."""
+    uninterrupted = run(tmp_path, "uninterrupted", "--degree", "2")
+    template = str(tmp_path / "ck-{step}")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={_free_port()}",
+        str(WORKER), "--out", str(tmp_path / "killed.json"), "--degree", "2",
+        "--save-at", "2,3", "--save-to", template, "--slow-save-from", "3",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    partial = tmp_path / "ck-3.partial"
+    deadline = time.monotonic() + 240
+    while not (partial / ".metadata").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+    assert (tmp_path / "ck-2").is_dir() and not (tmp_path / "ck-3").exists() and partial.is_dir()
+    resumed = run(tmp_path, "resumed", "--degree", "2", "--resume", str(tmp_path / "ck-2"))
+    assert_close(resumed["losses"], uninterrupted["losses"][2:], rtol=1e-6)
+    out = tmp_path / "from-partial.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+        str(WORKER), "--out", str(out), "--degree", "2", "--resume", str(partial),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "is incomplete: the run was interrupted while saving it" in result.stderr
+
+
+def test_deterministic_runs_are_bitwise_identical(tmp_path: Path) -> None:
+    first = run(tmp_path, "det1", "--degree", "2", "--mode", "sinkhorn", "--deterministic")
+    second = run(tmp_path, "det2", "--degree", "2", "--mode", "sinkhorn", "--deterministic")
+    assert first["losses"] == second["losses"]
+
+
+def test_checkpoint_from_a_different_model_is_refused(tmp_path: Path) -> None:
+    run(tmp_path, "eight", "--degree", "2", "--steps", "2", "--save-to", str(tmp_path / "ck-{step}"), nproc=2)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+        str(WORKER), "--out", str(tmp_path / "four.json"), "--degree", "2", "--experts", "4",
+        "--resume", str(tmp_path / "ck-2"),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "was saved from a different model (Size mismatch between saved torch.Size([8, 64])" in result.stderr
+    assert "Resume with the model configuration it was saved from" in result.stderr
