@@ -77,6 +77,10 @@ class MoELayer(nn.Module):
         self.aux_loss = torch.zeros(())
         self.z_loss = torch.zeros(())
         self.tokens_per_expert = torch.zeros(gate.num_experts, dtype=torch.int64)
+        # With check_finite, ``nonfinite`` is a 0-dim bool set when the router logits or the
+        # layer output of the latest forward held a NaN or an infinity.
+        self.check_finite = False
+        self.nonfinite = torch.zeros((), dtype=torch.bool)
 
     @property
     def num_experts(self) -> int:
@@ -104,6 +108,9 @@ class MoELayer(nn.Module):
         y_MH = self.experts(dispatched.x_MH, dispatched.counts_L)
         out_TH = self.dispatcher.combine(y_MH, routing.weights_TK, dispatched)
 
+        if self.check_finite:
+            # A device-side flag, read by the caller once per step (no host sync here).
+            self.nonfinite = ~(torch.isfinite(routing.logits_TE).all() & torch.isfinite(out_TH).all())
         out_TH = self._account(
             out_TH, routing.logits_TE, routing.probs_TE, routing.expert_ids_TK, dispatched.tokens_per_expert_E
         )
