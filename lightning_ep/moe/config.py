@@ -13,9 +13,11 @@ from typing import Literal, get_args
 
 LoadBalancing = Literal["sinkhorn", "aux_loss", "balanced", "none"]
 RouterDtype = Literal["float32", "float64"]
+DropPolicy = Literal["probs", "position"]
 
 LOAD_BALANCING_MODES: tuple[str, ...] = get_args(LoadBalancing)
 ROUTER_DTYPES: tuple[str, ...] = get_args(RouterDtype)
+DROP_POLICIES: tuple[str, ...] = get_args(DropPolicy)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +47,15 @@ class MoEConfig:
         router_dtype: dtype of the router's logits, softmax and Sinkhorn (never lower than fp32).
         sinkhorn_iterations: fixed number of Sinkhorn iterations (fixed, so no host sync).
         balance_update_rate: step size of the ``"balanced"`` bias update.
+        capacity_factor: ``None`` is dropless. Otherwise each expert takes at most
+            ``ceil(capacity_factor * T * top_k / num_experts)`` rows from each rank (``T`` its tokens);
+            the rest are dropped (the token passes through the residual path), counted in
+            ``MoELayer.tokens_dropped``, and every all-to-all size is static (no host sync).
+            Needs the all-to-all dispatcher and the same number of tokens on every rank.
+        drop_policy: which rows an over-capacity expert keeps: ``"probs"`` the highest routing
+            weights, ``"position"`` the earliest tokens.
+        max_tokens_per_rank: dropless only: if the rows that arrive at one rank's experts in a layer
+            exceed this, fail fast with a clear error instead of running out of memory.
     """
 
     smp_moe: bool = True
@@ -57,6 +68,9 @@ class MoEConfig:
     router_dtype: RouterDtype = "float32"
     sinkhorn_iterations: int = 30
     balance_update_rate: float = 0.001
+    capacity_factor: float | None = None
+    drop_policy: DropPolicy = "probs"
+    max_tokens_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher"):
@@ -67,6 +81,21 @@ class MoEConfig:
         _check_int("sinkhorn_iterations", self.sinkhorn_iterations, minimum=1)
         _check_choice("moe_load_balancing", self.moe_load_balancing, LOAD_BALANCING_MODES)
         _check_choice("router_dtype", self.router_dtype, ROUTER_DTYPES)
+        _check_choice("drop_policy", self.drop_policy, DROP_POLICIES)
+        if self.capacity_factor is not None:
+            _check_float("capacity_factor", self.capacity_factor)
+            if self.capacity_factor <= 0:
+                raise ValueError(
+                    f"MoEConfig.capacity_factor must be > 0, got {self.capacity_factor!r}; "
+                    "use None for dropless routing."
+                )
+            if not self.moe_all_to_all_dispatcher:
+                raise ValueError(
+                    "MoEConfig.capacity_factor needs the all-to-all dispatcher, but moe_all_to_all_dispatcher=False; "
+                    "set moe_all_to_all_dispatcher=True or capacity_factor=None."
+                )
+        if self.max_tokens_per_rank is not None:
+            _check_int("max_tokens_per_rank", self.max_tokens_per_rank, minimum=1)
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "balance_update_rate"):
             _check_float(name, getattr(self, name))
 

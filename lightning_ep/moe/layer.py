@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from lightning_ep.moe.config import MoEConfig
-from lightning_ep.moe.dispatch import Dispatcher, LocalDispatcher
+from lightning_ep.moe.dispatch import Dispatcher
+from lightning_ep.moe.dispatchers import make_dispatcher
 from lightning_ep.moe.experts import GroupedExperts
 from lightning_ep.moe.losses import attach_losses, load_balancing_loss, z_loss
 from lightning_ep.moe.rng import DrawCounter, in_backward, make_generator
@@ -69,7 +70,7 @@ class MoELayer(nn.Module):
         self.jitter_noise = float(jitter_noise)
         self.layer_index = layer_index
         self.loss_scale = 1.0
-        self.dispatcher: Dispatcher = LocalDispatcher(gate.num_experts)
+        self.dispatcher: Dispatcher = make_dispatcher(config, gate.num_experts)
         # A TokenShuffle when global_token_shuffle is on under expert parallelism.
         self.shuffle: TokenShuffle | None = None
         self.ep_rank = 0
@@ -77,6 +78,8 @@ class MoELayer(nn.Module):
         self.aux_loss = torch.zeros(())
         self.z_loss = torch.zeros(())
         self.tokens_per_expert = torch.zeros(gate.num_experts, dtype=torch.int64)
+        # (token, expert) pairs dropped by the capacity limit in the latest forward (0: dropless).
+        self.tokens_dropped = torch.zeros((), dtype=torch.int64)
         # With check_finite, ``nonfinite`` is a 0-dim bool set when the router logits or the
         # layer output of the latest forward held a NaN or an infinity.
         self.check_finite = False
@@ -104,7 +107,12 @@ class MoELayer(nn.Module):
             x_TH, shuffle_state = self.shuffle.shuffle(x_TH, generator)
 
         routing = self.gate(x_TH)
-        dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK)
+        if getattr(self.dispatcher, "takes_weights", False):  # capacity: "probs" ranks rows by weight
+            dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK, routing.weights_TK)  # type: ignore[call-arg]
+        else:
+            dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK)
+        if "tokens_dropped" in dispatched.state:
+            self.tokens_dropped = dispatched.state["tokens_dropped"]
         y_MH = self.experts(dispatched.x_MH, dispatched.counts_L)
         out_TH = self.dispatcher.combine(y_MH, routing.weights_TK, dispatched)
 

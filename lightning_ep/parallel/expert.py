@@ -6,8 +6,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_ep.moe.dispatch import LocalDispatcher
-from lightning_ep.moe.dispatch_ep import AllGatherDispatcher, AllToAllDispatcher, TokenShuffle
+from lightning_ep.moe.dispatch_ep import TokenShuffle
+from lightning_ep.moe.dispatchers import make_dispatcher
 from lightning_ep.moe.layer import MoELayer
 
 
@@ -49,12 +49,7 @@ def parallelize_moe_layers(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         # All d ranks' tokens reach these experts; FSDP2 averages over the other W / d ranks only.
         layer.experts.grad_scale = 1.0 / degree
         config = layer.config
-        if degree == 1:
-            layer.dispatcher = LocalDispatcher(num_experts)
-        elif config.moe_all_to_all_dispatcher:
-            layer.dispatcher = AllToAllDispatcher(num_experts, group)
-        else:
-            layer.dispatcher = AllGatherDispatcher(num_experts, group)
+        layer.dispatcher = make_dispatcher(config, num_experts, group)
         layer.shuffle = TokenShuffle(group) if config.global_token_shuffle and degree > 1 else None
         layer.ep_rank = ep_rank
     return model

@@ -25,6 +25,9 @@ WORLD2 = {
         Case(degree=2, shuffle=True),
         Case(degree=2, skew=True),
         Case(degree=2, clip=0.5),
+        Case(degree=2, capacity=0.5),
+        Case(degree=2, capacity=0.75, policy="position", mode="aux_loss"),
+        Case(degree=2, capacity=4.0),
     ],
     "all_gather": [
         Case(degree=1, all_to_all=False),
@@ -45,6 +48,8 @@ WORLD4 = {
         Case(degree=4, shuffle=True),
         Case(degree=4, skew=True),
         Case(degree=2, replicate=2, clip=0.5),
+        Case(degree=4, capacity=0.5, skew=True),
+        Case(degree=2, replicate=2, capacity=1.0, policy="position"),
     ],
     "all_gather": [
         Case(degree=2, all_to_all=False),

@@ -67,6 +67,8 @@ class Case:
     device: str = "cpu"  # "cuda" runs one GPU per rank under NCCL (tests/gpu)
     dtype: str = "float32"
     rtol: float = RTOL
+    capacity: float | None = None
+    policy: str = "probs"
 
     def config(self) -> MoEConfig:
         return MoEConfig(
@@ -75,6 +77,8 @@ class Case:
             global_token_shuffle=self.shuffle,
             moe_aux_loss_coeff=0.01,
             moe_z_loss_coeff=0.001,
+            capacity_factor=self.capacity,
+            drop_policy=self.policy,  # type: ignore[arg-type]
         )
 
 
@@ -151,6 +155,9 @@ def run_case(rank: int, world: int, case: Case) -> None:
             assert p.grad is not None, (tag, name, "missing gradient")
             err = rel_err(full(p.grad), ref_names[name].grad)
             assert err <= rtol, (tag, step, name, err)
+        if case.capacity is not None and case.capacity < 1:
+            dropped = sum(int(layer.tokens_dropped) for layer in lightning_ep.moe_layers(model))
+            assert dropped > 0, (tag, "capacity below 1 must drop some tokens")
         if case.skew:
             for layer in lightning_ep.moe_layers(model):
                 grad = full(layer.experts.gate_up_proj.grad)
