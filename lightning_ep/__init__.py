@@ -1,8 +1,9 @@
 """lightning_ep: expert parallelism for Mixture-of-Experts training in PyTorch Lightning.
 
-``import lightning_ep`` stays light: the Lightning strategy is imported on first use of
-``lightning_ep.ExpertParallelStrategy``, and the short name ``strategy="expert_parallel"`` is
-registered with Lightning as soon as Lightning's strategy registry is loaded.
+``import lightning_ep`` stays light: the Lightning strategy and callback are imported on first use
+of ``lightning_ep.ExpertParallelStrategy`` and ``lightning_ep.MoEMonitor``, and the short name
+``strategy="expert_parallel"`` is registered with Lightning as soon as Lightning's strategy
+registry is loaded.
 """
 
 from typing import Any
@@ -19,6 +20,7 @@ __all__ = [
     "ExpertParallelStrategy",
     "MoEConfig",
     "MoELayer",
+    "MoEMonitor",
     "clip_grad_norm_",
     "init_mesh",
     "moe_layers",
@@ -27,7 +29,7 @@ __all__ = [
 ]
 __version__ = "0.1.0.dev0"
 
-_LAZY = {"ExpertParallelStrategy": "lightning_ep.strategy"}
+_LAZY = {"ExpertParallelStrategy": "lightning_ep.strategy", "MoEMonitor": "lightning_ep.callbacks"}
 
 
 def __getattr__(name: str) -> Any:

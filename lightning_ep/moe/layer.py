@@ -37,7 +37,9 @@ class MoELayer(nn.Module):
 
     - ``aux_loss``: the load-balancing loss of this rank's tokens (0-dim, detached, unweighted);
     - ``z_loss``: the router z-loss (0-dim, detached, unweighted);
-    - ``tokens_per_expert``: int64 ``[E]``, tokens this rank routed to each global expert.
+    - ``tokens_per_expert``: int64 ``[E]``, tokens this rank routed to each global expert;
+    - ``router_entropy``: mean over this rank's tokens of the entropy (nats) of the router's
+      softmax probabilities (0-dim, detached); ``log(E)`` for a uniform router, 0 for a one-hot one.
 
     The weighted losses reach the gradients by themselves (see ``losses.attach_losses``); their
     gradient is multiplied by ``loss_scale`` (set it to ``1 / accumulate_grad_batches`` under
@@ -78,6 +80,7 @@ class MoELayer(nn.Module):
         self.aux_loss = torch.zeros(())
         self.z_loss = torch.zeros(())
         self.tokens_per_expert = torch.zeros(gate.num_experts, dtype=torch.int64)
+        self.router_entropy = torch.zeros(())
         # (token, expert) pairs dropped by the capacity limit in the latest forward (0: dropless).
         self.tokens_dropped = torch.zeros((), dtype=torch.int64)
         # With check_finite, ``nonfinite`` is a 0-dim bool set when the router logits or the
@@ -140,6 +143,8 @@ class MoELayer(nn.Module):
         self.aux_loss = aux.detach()
         self.z_loss = zl.detach()
         self.tokens_per_expert = tokens_per_expert_E.detach()
+        # entr(p) = -p log p with entr(0) = 0, and no NaN for a rank without tokens.
+        self.router_entropy = torch.special.entr(probs_TE.detach()).sum() / max(probs_TE.shape[0], 1)
         if self.training and not in_backward():
             self.gate.record_load(tokens_per_expert_E)
         if not self.training:

@@ -1,0 +1,507 @@
+"""``MoEMonitor``: expert load and router statistics of the MoE layers, through Lightning's loggers.
+
+Legend: L MoE layers, E experts per layer, K experts per token.
+
+After every training batch the monitor reads what each ``MoELayer`` kept from its last forward
+(``tokens_per_expert``, ``router_entropy``, ``aux_loss``, ``z_loss`` and, where a layer has it,
+``tokens_dropped``) and adds it on the device, without a host sync, to the single sum state of a
+torchmetrics ``Metric`` (``MoELoadMetric``). Every ``every_n_steps`` optimizer steps that state is
+reduced across ranks with one all-reduce, ``7 * L + 8`` scalars go to every logger of the Trainer,
+and the window starts again. Global rank 0 renders the plots: a layers x experts heatmap of
+normalised load and the load imbalance of each layer over steps (PNGs in the run's log
+directory; the heatmap also as a TensorBoard image).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor
+from torchmetrics import Metric
+from typing_extensions import override
+
+from lightning_ep.moe.layer import MoELayer
+from lightning_ep.transform import moe_layers
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    import numpy as np
+    from matplotlib.figure import Figure
+
+#: Statistics logged per layer (``<prefix>/layer_<i>/<name>``) and for the model (``<prefix>/<name>``).
+STAT_NAMES = (
+    "load_imbalance",
+    "load_cv",
+    "dead_experts",
+    "router_entropy",
+    "tokens_dropped_frac",
+    "aux_loss",
+    "z_loss",
+)
+#: Width and height in pixels of every PNG the monitor writes.
+PLOT_SIZE_PX = (640, 480)
+_DPI = 80
+
+
+def _all_reduce_sum(tensor: Tensor, group: Any = None) -> list[Tensor]:
+    """A torchmetrics ``dist_sync_fn``: one all-reduce, instead of all-gathers of sizes and values."""
+    reduced = tensor.clone()
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
+    return [reduced]
+
+
+class MoELoadMetric(Metric):
+    """Expert load and router statistics of ``L`` MoE layers with ``E`` experts each, over a window.
+
+    The whole state is one float64 vector ``stats`` with sum reduction, laid out as
+    ``[tokens_LE (L*E) | entropy x tokens (L) | dropped (L) | aux (L) | z (L) | batches (1)]``, so
+    ``compute()`` syncs the ranks with a single all-reduce (counts stay exact up to 2**53).
+
+    ``compute()`` returns ``{"layers": {name: [L]}, "model": {name: 0-dim}, "tokens_per_expert": [L, E],
+    "moe_tokens": 0-dim}`` with ``name`` in ``STAT_NAMES``, over all ranks and batches since the last
+    ``reset()``:
+
+    - ``load_imbalance``: max over experts / mean over experts of the token counts (1 = even);
+    - ``load_cv``: population standard deviation / mean of the token counts;
+    - ``dead_experts``: experts that received no token;
+    - ``router_entropy``: mean over tokens of the router's entropy in nats (``log E`` at most);
+    - ``tokens_dropped_frac``: dropped (token, expert) assignments / routed assignments;
+    - ``aux_loss``, ``z_loss``: mean over batches and ranks (unweighted).
+
+    A layer without tokens gets 0 for the first five. Model values: the mean over layers of load
+    imbalance, CV and entropy; the sum of dead experts and of the losses (the total the model
+    trains on); dropped / routed over all layers. ``moe_tokens`` is the number of token passes
+    through MoE layers, ``sum(tokens_per_expert) / K`` summed over layers.
+
+    Args:
+        num_layers: ``L``.
+        num_experts: ``E``.
+        top_k: ``K``.
+        kwargs: torchmetrics ``Metric`` options (``process_group``, ...).
+    """
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+    stats: Tensor
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, **kwargs: Any) -> None:
+        kwargs.setdefault("dist_sync_fn", _all_reduce_sum)
+        super().__init__(**kwargs)
+        for name, value in (("num_layers", num_layers), ("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoELoadMetric({name}={value!r}): pass an int >= 1.")
+        if top_k > num_experts:
+            raise ValueError(f"MoELoadMetric(top_k={top_k}): must not exceed num_experts={num_experts}.")
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+        size = num_layers * num_experts + 4 * num_layers + 1
+        self.add_state("stats", torch.zeros(size, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(
+        self,
+        tokens_per_expert_LE: Tensor,
+        router_entropy_L: Tensor,
+        aux_loss_L: Tensor,
+        z_loss_L: Tensor,
+        tokens_dropped_L: Tensor | None = None,
+    ) -> None:
+        """Add one batch of this rank: token counts ``[L, E]``, mean router entropy over its tokens,
+        aux and z losses and (optionally) dropped assignments, each ``[L]``. No host sync."""
+        L, E = self.num_layers, self.num_experts
+        if tuple(tokens_per_expert_LE.shape) != (L, E):
+            raise ValueError(
+                f"MoELoadMetric.update: tokens_per_expert_LE has shape {tuple(tokens_per_expert_LE.shape)}, "
+                f"expected ({L}, {E}); build the metric with the model's layer and expert counts."
+            )
+        device, dtype = self.stats.device, self.stats.dtype
+        tokens_LE = tokens_per_expert_LE.to(device, dtype)
+        num_tokens_L = tokens_LE.sum(dim=1) / self.top_k
+        if tokens_dropped_L is None:
+            dropped_L = tokens_LE.new_zeros(L)
+        else:
+            dropped_L = tokens_dropped_L.to(device, dtype).reshape(L)
+        parts = [
+            tokens_LE.reshape(-1),
+            router_entropy_L.to(device, dtype).reshape(L) * num_tokens_L,
+            dropped_L,
+            aux_loss_L.to(device, dtype).reshape(L),
+            z_loss_L.to(device, dtype).reshape(L),
+            tokens_LE.new_ones(1),
+        ]
+        self.stats += torch.cat(parts)
+
+    def compute(self) -> dict[str, Any]:
+        """The window's statistics over all ranks (see the class docstring)."""
+        L, E = self.num_layers, self.num_experts
+        tokens_LE = self.stats[: L * E].view(L, E)
+        entropy_x_tokens_L, dropped_L, aux_sum_L, z_sum_L = self.stats[L * E : L * E + 4 * L].view(4, L)
+        batches = self.stats[-1].clamp_min(1.0)
+        routed_L = tokens_LE.sum(dim=1)
+        has_tokens_L = routed_L > 0
+        safe_routed_L = torch.where(has_tokens_L, routed_L, torch.ones_like(routed_L))
+        mean_L = safe_routed_L / E
+        zero_L = torch.zeros_like(routed_L)
+        layers = {
+            "load_imbalance": torch.where(has_tokens_L, tokens_LE.amax(dim=1) / mean_L, zero_L),
+            "load_cv": torch.where(has_tokens_L, tokens_LE.std(dim=1, correction=0) / mean_L, zero_L),
+            "dead_experts": (tokens_LE == 0).sum(dim=1).to(tokens_LE.dtype),
+            "router_entropy": torch.where(has_tokens_L, entropy_x_tokens_L / (safe_routed_L / self.top_k), zero_L),
+            "tokens_dropped_frac": torch.where(has_tokens_L, dropped_L / safe_routed_L, zero_L),
+            "aux_loss": aux_sum_L / batches,
+            "z_loss": z_sum_L / batches,
+        }
+        routed = routed_L.sum()
+        model = {
+            "load_imbalance": layers["load_imbalance"].mean(),
+            "load_cv": layers["load_cv"].mean(),
+            "dead_experts": layers["dead_experts"].sum(),
+            "router_entropy": layers["router_entropy"].mean(),
+            "tokens_dropped_frac": torch.where(routed > 0, dropped_L.sum() / routed.clamp_min(1.0), routed * 0),
+            "aux_loss": layers["aux_loss"].sum(),
+            "z_loss": layers["z_loss"].sum(),
+        }
+        return {"layers": layers, "model": model, "tokens_per_expert": tokens_LE, "moe_tokens": routed / self.top_k}
+
+
+class MoEMonitor(Callback):
+    """Log expert load balance and router health of every ``MoELayer`` through the Trainer's loggers.
+
+    Every ``every_n_steps`` optimizer steps (the Trainer's ``log_every_n_steps`` by default) and at
+    the end of fit, it logs, over the batches of the window and all ranks (see ``MoELoadMetric``):
+
+    - per layer ``<prefix>/layer_<i>/<name>`` and for the model ``<prefix>/<name>``, with ``name``
+      in ``STAT_NAMES``: load imbalance (max / mean tokens per expert), coefficient of variation,
+      dead experts, router entropy, fraction of assignments dropped (0 while dropless), aux loss
+      and z-loss;
+    - ``<prefix>/tokens_per_sec``: token passes through MoE layers per second, summed over layers
+      and ranks, over the host wall time between the window's batch ends (validation excluded).
+
+    That is ``7 * L + 8`` series whatever the expert count. Per batch the monitor only adds device
+    tensors; each window costs one all-reduce and one device-to-host copy of the result.
+
+    With ``plots=True``, global rank 0 writes every ``heatmap_every_n_steps`` steps
+    ``<log_dir>/moe/expert_load_step<NNNNNN>.png`` (layers x experts, tokens / mean tokens per expert
+    over the steps since the previous heatmap) and ``<log_dir>/moe/load_imbalance.png`` (per layer,
+    over steps), and at the end of fit ``expert_load.png`` and ``load_imbalance.png``; ``<log_dir>``
+    is ``trainer.log_dir``. Each heatmap also goes to every ``TensorBoardLogger`` as the image
+    ``<prefix>/expert_load``. PNGs are ``PLOT_SIZE_PX`` pixels.
+
+    Example::
+
+        Trainer(strategy=ExpertParallelStrategy(degree=8), callbacks=[MoEMonitor(every_n_steps=50)])
+
+    Args:
+        every_n_steps: optimizer steps per logging window; ``None`` uses ``Trainer(log_every_n_steps)``
+            (a Trainer value of 0 logs once, at the end of fit).
+        heatmap_every_n_steps: optimizer steps between heatmaps; 0 renders only at the end of fit.
+        plots: render the PNGs and TensorBoard images (needs matplotlib); ``False`` logs scalars only.
+        prefix: first component of every logged name.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        heatmap_every_n_steps: int = 500,
+        *,
+        plots: bool = True,
+        prefix: str = "moe_monitor",
+    ) -> None:
+        if every_n_steps is not None and (
+            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
+        ):
+            raise ValueError(
+                f"MoEMonitor(every_n_steps={every_n_steps!r}): pass an int >= 1, or None to follow "
+                "Trainer(log_every_n_steps)."
+            )
+        if isinstance(heatmap_every_n_steps, bool) or not isinstance(heatmap_every_n_steps, int):
+            raise TypeError(f"MoEMonitor(heatmap_every_n_steps={heatmap_every_n_steps!r}): pass an int.")
+        if heatmap_every_n_steps < 0:
+            raise ValueError(
+                f"MoEMonitor(heatmap_every_n_steps={heatmap_every_n_steps!r}): pass an int >= 1, or 0 for a "
+                "heatmap only at the end of fit."
+            )
+        if not isinstance(plots, bool):
+            raise TypeError(f"MoEMonitor(plots={plots!r}): pass True or False.")
+        if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
+            raise ValueError(f"MoEMonitor(prefix={prefix!r}): pass a non-empty name without a trailing '/'.")
+        if plots and importlib.util.find_spec("matplotlib") is None:
+            raise ModuleNotFoundError(
+                "MoEMonitor(plots=True) renders its heatmaps with matplotlib, which is not installed: "
+                "`pip install matplotlib`, or pass plots=False to log scalars only."
+            )
+        self.every_n_steps = every_n_steps
+        self.heatmap_every_n_steps = heatmap_every_n_steps
+        self.plots = plots
+        self.prefix = prefix
+        self.metric: MoELoadMetric | None = None
+        self._layers: list[MoELayer] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        """Forget everything of a previous run (the metric keeps its shape and device)."""
+        if self.metric is not None:
+            self.metric.reset()
+        self._every = 0
+        self._step = 0  # optimizer steps done, as counted by this monitor
+        self._seen_global_step = 0
+        self._window_batches = 0
+        self._clock: float | None = None
+        self._paused = 0.0
+        self._validation_start: float | None = None
+        self._log_dir: Path | None = None
+        self._heat_LE: Tensor | None = None  # tokens since the last heatmap, summed over ranks (CPU)
+        self._heat_first_step = 1
+        self._last_heat: tuple[Tensor, int, int] | None = None
+        self.history_steps: list[int] = []
+        self.history_imbalance: list[list[float]] = []
+
+    # ----------------------------------------------------------------------------- hooks
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # State pickled into spawned workers, or left over from an earlier fit, would be counted
+        # again on every rank (docs notes: torchmetrics states under CPU spawn).
+        self._reset()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        layers = moe_layers(pl_module)
+        if not layers:
+            raise ValueError(
+                f"MoEMonitor found no MoELayer in {type(pl_module).__name__}: train with ExpertParallelStrategy "
+                "(MoEConfig(smp_moe=True)) or call lightning_ep.transform(model) in configure_model()."
+            )
+        shapes = {(layer.num_experts, layer.top_k) for layer in layers}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"MoEMonitor needs the same (num_experts, top_k) in every MoE layer, found {sorted(shapes)}; "
+                "monitor such a model with one MoEMonitor per group of equal layers."
+            )
+        ((num_experts, top_k),) = shapes
+        metric = self.metric
+        if metric is None or (metric.num_layers, metric.num_experts, metric.top_k) != (len(layers), num_experts, top_k):
+            metric = MoELoadMetric(len(layers), num_experts, top_k)
+        # A LightningModule knows its device; a plain module (tests, Fabric) is where its layers are.
+        device = getattr(pl_module, "device", None) or next(layers[0].parameters()).device
+        self.metric = metric.to(device)
+        self.metric.reset()
+        self._layers = layers
+        every = self.every_n_steps
+        # Set by Lightning's logger connector, not declared on the class.
+        self._every = every if every is not None else int(getattr(trainer, "log_every_n_steps", 50))
+        self._step = self._seen_global_step = trainer.global_step
+        self._heat_first_step = self._step + 1
+        if self.plots:
+            log_dir = trainer.log_dir  # a broadcast: every rank must ask
+            self._log_dir = Path(log_dir if log_dir is not None else trainer.default_root_dir) / "moe"
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._clock is None:
+            self._clock = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._record()
+        if trainer.global_step == self._seen_global_step:
+            return  # accumulating gradients: the window goes on
+        self._seen_global_step = trainer.global_step
+        self._step += 1
+        heatmap_due = self.heatmap_every_n_steps > 0 and self._step % self.heatmap_every_n_steps == 0
+        if heatmap_due or (self._every > 0 and self._step % self._every == 0):
+            self._flush(trainer)
+        if heatmap_due:
+            self._render(trainer, final=False)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._clock is not None:
+            self._validation_start = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._validation_start is not None:
+            self._paused += time.perf_counter() - self._validation_start
+            self._validation_start = None
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._window_batches > 0:
+            self._flush(trainer)
+        self._render(trainer, final=True)
+
+    # ----------------------------------------------------------------------------- window
+
+    def _record(self) -> None:
+        """Add the layers' latest forward to the window: a few stacks and one add on the device."""
+        assert self.metric is not None, "MoEMonitor: on_train_start must run before the first batch"
+        device = self.metric.stats.device
+        layers = self._layers
+        dropped_L = _stack_dropped([getattr(layer, "tokens_dropped", None) for layer in layers], device)
+        self.metric.update(
+            torch.stack([layer.tokens_per_expert.to(device) for layer in layers]),
+            torch.stack([layer.router_entropy.to(device) for layer in layers]),
+            torch.stack([layer.aux_loss.to(device) for layer in layers]),
+            torch.stack([layer.z_loss.to(device) for layer in layers]),
+            dropped_L,
+        )
+        self._window_batches += 1
+
+    def _flush(self, trainer: pl.Trainer) -> dict[str, float]:
+        """Reduce the window over ranks (one all-reduce), log it, and start a new window."""
+        assert self.metric is not None
+        L, E = self.metric.num_layers, self.metric.num_experts
+        stats = self.metric.compute()
+        self.metric.reset()
+        per_layer_SL = torch.stack([stats["layers"][name].reshape(L) for name in STAT_NAMES])
+        model_S = torch.stack([stats["model"][name].reshape(()) for name in STAT_NAMES])
+        flat = torch.cat(
+            [per_layer_SL.reshape(-1), model_S, stats["moe_tokens"].reshape(1), stats["tokens_per_expert"].reshape(-1)]
+        )
+        flat = flat.cpu()  # the window's one device-to-host copy
+        now = time.perf_counter()
+        seconds = now - self._clock - self._paused if self._clock is not None else math.inf
+        self._clock, self._paused = now, 0.0
+        self._window_batches = 0
+
+        n = len(STAT_NAMES)
+        per_layer = flat[: n * L].view(n, L).tolist()
+        model = flat[n * L : n * L + n].tolist()
+        moe_tokens = float(flat[n * L + n])
+        tokens_LE = flat[n * L + n + 1 :].view(L, E)
+        metrics = {f"{self.prefix}/{name}": model[s] for s, name in enumerate(STAT_NAMES)}
+        metrics[f"{self.prefix}/tokens_per_sec"] = moe_tokens / max(seconds, 1e-9)
+        for s, name in enumerate(STAT_NAMES):
+            metrics |= {f"{self.prefix}/layer_{i}/{name}": per_layer[s][i] for i in range(L)}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=self._step - 1)  # Lightning's own step index for this step
+
+        self._heat_LE = tokens_LE if self._heat_LE is None else self._heat_LE + tokens_LE
+        self.history_steps.append(self._step)
+        self.history_imbalance.append(per_layer[STAT_NAMES.index("load_imbalance")])
+        return metrics
+
+    # ----------------------------------------------------------------------------- plots
+
+    def _render(self, trainer: pl.Trainer, *, final: bool) -> None:
+        """Heatmap of the steps since the last one (the last one again at the end if none since)."""
+        if not self.plots or not trainer.is_global_zero or self._log_dir is None:
+            return
+        fresh = self._heat_LE is not None
+        if self._heat_LE is not None:
+            self._last_heat = (self._heat_LE, self._heat_first_step, self._step)
+            self._heat_LE, self._heat_first_step = None, self._step + 1
+        if self._last_heat is None:
+            return
+        tokens_LE, first, last = self._last_heat
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        steps = f"step {last}" if first == last else f"steps {first}-{last}"
+        figure = heatmap_figure(normalised_load(tokens_LE), title=f"expert load / mean load, {steps}")
+        name = "expert_load.png" if final else f"expert_load_step{last:06d}.png"
+        figure.savefig(self._log_dir / name, dpi=_DPI)
+        if fresh:
+            image = _rgb(figure)
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_image(f"{self.prefix}/expert_load", image, last - 1, dataformats="HWC")
+        if self.history_steps:
+            imbalance = imbalance_figure(self.history_steps, self.history_imbalance)
+            imbalance.savefig(self._log_dir / "load_imbalance.png", dpi=_DPI)
+
+
+def _stack_dropped(values: list[Any], device: torch.device) -> Tensor | None:
+    """``MoELayer.tokens_dropped`` of each layer as ``[L]`` (0 where a layer has none); ``None`` if none has."""
+    if all(isinstance(value, Tensor) for value in values):
+        return torch.stack([value.to(device) for value in values])
+    if all(value is None for value in values):
+        return None
+    return torch.stack(
+        [torch.as_tensor(0 if value is None else value).to(device, torch.float64).reshape(()) for value in values]
+    )
+
+
+def normalised_load(tokens_LE: Tensor) -> Tensor:
+    """Tokens per expert divided by the layer's mean (1 = an even share); 0 for a layer without tokens."""
+    tokens_LE = tokens_LE.double()
+    mean_L1 = tokens_LE.mean(dim=1, keepdim=True)
+    return torch.where(mean_L1 > 0, tokens_LE / mean_L1.clamp_min(1e-30), torch.zeros_like(tokens_LE))
+
+
+def _figure() -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(PLOT_SIZE_PX[0] / _DPI, PLOT_SIZE_PX[1] / _DPI), dpi=_DPI)
+    FigureCanvasAgg(figure)  # no pyplot: no global state, no GUI backend
+    return figure
+
+
+def heatmap_figure(load_LE: Tensor, title: str = "expert load / mean load") -> Figure:
+    """A layers x experts heatmap of ``load_LE`` (``normalised_load``), cells labelled when few."""
+    figure = _figure()
+    axes = figure.add_subplot()
+    values = load_LE.double().numpy()
+    num_layers, num_experts = values.shape
+    image = axes.imshow(values, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
+    figure.colorbar(image, ax=axes, label="tokens / mean tokens per expert")
+    axes.set_xlabel("expert")
+    axes.set_ylabel("MoE layer")
+    axes.set_title(title)
+    if num_experts <= 32:
+        axes.set_xticks(range(num_experts))
+    if num_layers <= 32:
+        axes.set_yticks(range(num_layers))
+    if num_layers * num_experts <= 128:
+        threshold = 0.5 * float(values.max()) if values.size else 0.0
+        for (row, col), value in _cells(values):
+            color = "black" if value > threshold else "white"
+            axes.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=8, color=color)
+    figure.tight_layout()
+    return figure
+
+
+def imbalance_figure(steps: list[int], imbalance_NL: list[list[float]]) -> Figure:
+    """Load imbalance (max / mean tokens per expert) of each layer against the optimizer step."""
+    from matplotlib.ticker import MaxNLocator
+
+    figure = _figure()
+    axes = figure.add_subplot()
+    num_layers = len(imbalance_NL[0]) if imbalance_NL else 0
+    for layer in range(num_layers):
+        axes.plot(
+            steps, [row[layer] for row in imbalance_NL], marker="." if len(steps) < 50 else None, label=f"layer {layer}"
+        )
+    axes.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("max / mean tokens per expert")
+    axes.set_title("load imbalance per MoE layer (1 = even)")
+    if 0 < num_layers <= 16:
+        axes.legend(fontsize=8, ncol=2)
+    figure.tight_layout()
+    return figure
+
+
+def _cells(values: np.ndarray) -> list[tuple[tuple[int, int], float]]:
+    return [((r, c), float(values[r, c])) for r in range(values.shape[0]) for c in range(values.shape[1])]
+
+
+def _rgb(figure: Figure) -> np.ndarray:
+    """The rendered figure as ``[H, W, 3]`` uint8 (for ``SummaryWriter.add_image``)."""
+    import numpy as np
+
+    canvas = figure.canvas
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()  # type: ignore[attr-defined]
