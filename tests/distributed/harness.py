@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -23,13 +24,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _entry(rank: int, world: int, store: str, backend: str, fn: Callable[..., Any], args: tuple) -> None:
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    # A file store, not a TCP port: no race with other tests or programs for a free port.
+    dist.init_process_group(
+        backend, init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     try:
         fn(rank, world, *args)
     finally:
@@ -39,4 +41,5 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any
 def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined by a process group
     (gloo on the CPU; ``backend="nccl"``: one GPU per rank)."""
-    mp.spawn(_entry, args=(world, free_port(), backend, fn, args), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), backend, fn, args), nprocs=world, join=True)
