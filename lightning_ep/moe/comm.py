@@ -12,9 +12,7 @@ import torch
 import torch.distributed as dist
 
 
-def all_to_all(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
-) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """Variable-size all-to-all of the rows of ``x``: ``in_splits[j]`` rows go to rank ``j``,
     ``out_splits[j]`` rows come from rank ``j``. Differentiable."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
@@ -54,9 +52,7 @@ def _reduce_scatter_raw(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
         ctx.splits = (out_splits, in_splits)
         ctx.group = group
         return _all_to_all_raw(x, out_splits, in_splits, group)

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_ep.moe.combine import weighted_combine
+
 
 @dataclass
 class Dispatched:
@@ -47,9 +49,25 @@ class Dispatcher(Protocol):
 
     def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched: ...
 
-    def combine(
-        self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched
-    ) -> torch.Tensor: ...
+    def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor: ...
+
+
+def expert_counts(sorted_ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert (int64 ``[E]``) from ids sorted ascending, by binary search.
+
+    Unlike ``torch.bincount``, which reads the maximum id back to the host on CUDA, this never
+    synchronises with the device, and it is deterministic.
+    """
+    bounds = torch.arange(num_experts + 1, device=sorted_ids_N.device, dtype=sorted_ids_N.dtype)
+    edges_E1 = torch.searchsorted(sorted_ids_N, bounds)
+    return edges_E1[1:] - edges_E1[:-1]
+
+
+def count_ids(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert (int64 ``[E]``) of unsorted ids, by an integer scatter-add: no host sync."""
+    flat = expert_ids.reshape(-1)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts_E.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 def sort_by_expert(expert_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,32 +77,82 @@ def sort_by_expert(expert_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch
         ``order_N`` (int64: position ``i`` of the sorted list holds flat pair ``order_N[i]``, whose
         token is ``order_N[i] // K``) and ``counts_E`` (int64). No host sync.
     """
-    flat_N = expert_ids_TK.reshape(-1)
-    order_N = torch.argsort(flat_N, stable=True)
-    counts_E = torch.bincount(flat_N, minlength=num_experts)
-    return order_N, counts_E
+    sorted_N, order_N = torch.sort(expert_ids_TK.reshape(-1), stable=True)
+    return order_N, expert_counts(sorted_N, num_experts)
 
 
 def inverse_permutation(order_N: torch.Tensor) -> torch.Tensor:
-    """``inv`` with ``inv[order[i]] = i``."""
-    inverse_N = torch.empty_like(order_N)
-    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-    return inverse_N
+    """``inv`` with ``inv[order[i]] = i`` (a scatter: no host sync)."""
+    arange_N = torch.arange(order_N.numel(), device=order_N.device, dtype=order_N.dtype)
+    return torch.empty_like(order_N).scatter_(0, order_N, arange_N)
 
 
-def gather_rows(x_TH: torch.Tensor, order_N: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Rows of ``x_TH`` in sorted pair order: ``x_NH[i] = x_TH[order_N[i] // K]``."""
-    return x_TH.index_select(0, torch.div(order_N, top_k, rounding_mode="floor"))
+class _PermuteRows(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index``; backward gathers with the inverse permutation.
+
+    ``index_select``'s own backward zero-fills a buffer and scatter-adds into it with atomics;
+    for a permutation the adjoint is a plain gather: one read and one write, deterministic.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
-def weighted_unsort(y_NH: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+class _ExpandRows(torch.autograd.Function):
+    """``x_NH[i] = x_TH[order_N[i] // K]``; backward: gather by the inverse, sum the K copies.
+
+    The sum over ``K`` runs in fp32 registers and rounds once, instead of ``K`` rounded atomic adds.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x_TH: torch.Tensor, order_N: torch.Tensor, inverse_N: torch.Tensor, top_k: int
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inverse_N)
+        ctx.shape = (x_TH.shape[0], top_k)
+        return x_TH.index_select(0, torch.div(order_N, top_k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx: Any, grad_NH: torch.Tensor) -> tuple[Any, ...]:
+        (inverse_N,) = ctx.saved_tensors
+        grad_TKH = grad_NH.index_select(0, inverse_N).view(*ctx.shape, -1)
+        return grad_TKH.sum(dim=1), None, None, None
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` in the order of the permutation ``index`` (``inverse`` is its inverse)."""
+    return _PermuteRows.apply(x, index, inverse)
+
+
+def gather_rows(
+    x_TH: torch.Tensor, order_N: torch.Tensor, top_k: int, inverse_N: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows of ``x_TH`` in sorted pair order: ``x_NH[i] = x_TH[order_N[i] // K]``.
+
+    ``order_N`` must be a permutation of ``T * K`` pairs (``inverse_N`` its inverse, computed if not
+    given); then the backward is a gather and a sum over the ``K`` copies (no atomics).
+    """
+    if inverse_N is None:
+        inverse_N = inverse_permutation(order_N)
+    return _ExpandRows.apply(x_TH, order_N, inverse_N, top_k)
+
+
+def weighted_unsort(
+    y_NH: torch.Tensor, inverse_N: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor
+) -> torch.Tensor:
     """Undo ``gather_rows`` and combine: ``out[t] = sum_k weights[t, k] * y[pair (t, k)]``.
 
-    A permutation gather plus a batched ``[1, K] @ [K, H]`` product: deterministic, no atomics.
+    ``inverse_N`` is the inverse of ``order_N``. A fused Triton kernel on CUDA, a permutation
+    gather plus a batched product elsewhere (``lightning_ep.moe.combine``); deterministic, no atomics.
     """
-    num_tokens, top_k = weights_TK.shape
-    y_TKH = y_NH.index_select(0, inverse_permutation(order_N)).view(num_tokens, top_k, -1)
-    return torch.bmm(weights_TK.to(y_TKH.dtype).unsqueeze(1), y_TKH).squeeze(1)
+    return weighted_combine(y_NH, inverse_N, order_N, weights_TK)
 
 
 class LocalDispatcher:
@@ -96,8 +164,10 @@ class LocalDispatcher:
 
     def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:
         order_N, counts_E = sort_by_expert(expert_ids_TK, self.num_experts)
-        x_NH = gather_rows(x_TH, order_N, expert_ids_TK.shape[1])
-        return Dispatched(x_NH, counts_E, counts_E, {"order_N": order_N})
+        inverse_N = inverse_permutation(order_N)
+        x_NH = gather_rows(x_TH, order_N, expert_ids_TK.shape[1], inverse_N)
+        return Dispatched(x_NH, counts_E, counts_E, {"order_N": order_N, "inverse_N": inverse_N})
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        return weighted_unsort(y_MH, dispatched.state["order_N"], weights_TK)
+        state = dispatched.state
+        return weighted_unsort(y_MH, state["inverse_N"], state["order_N"], weights_TK)

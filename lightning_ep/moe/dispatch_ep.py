@@ -15,8 +15,11 @@ import torch.distributed as dist
 from lightning_ep.moe.comm import all_gather_rows, all_to_all, reduce_scatter_rows
 from lightning_ep.moe.dispatch import (
     Dispatched,
+    count_ids,
+    expert_counts,
     gather_rows,
     inverse_permutation,
+    permute_rows,
     sort_by_expert,
     weighted_unsort,
 )
@@ -34,16 +37,15 @@ class AllToAllDispatcher:
         self.group = group
         self.degree = dist.get_world_size(group)
         if num_experts % self.degree:
-            raise ValueError(
-                f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.degree}."
-            )
+            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.degree}.")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.degree
 
     def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:
         D, L = self.degree, self.num_local_experts
         order_N, counts_E = sort_by_expert(expert_ids_TK, self.num_experts)
-        x_NH = gather_rows(x_TH, order_N, expert_ids_TK.shape[1])
+        inverse_N = inverse_permutation(order_N)
+        x_NH = gather_rows(x_TH, order_N, expert_ids_TK.shape[1], inverse_N)
 
         # recv_DL[s, l]: rows that rank s sends to my local expert l.
         recv_DL = torch.empty_like(counts_E)
@@ -58,16 +60,23 @@ class AllToAllDispatcher:
             torch.arange(D * L, device=recv_DL.device), recv_DL.reshape(-1), output_size=sum(recv_splits)
         )
         regroup_M = torch.argsort(segment_M % L, stable=True)
-        x_MH = x_recv_MH.index_select(0, regroup_M)
-        state = {"order_N": order_N, "regroup_M": regroup_M, "splits": (send_splits, recv_splits)}
+        unregroup_M = inverse_permutation(regroup_M)
+        x_MH = permute_rows(x_recv_MH, regroup_M, unregroup_M)
+        state = {
+            "order_N": order_N,
+            "inverse_N": inverse_N,
+            "regroup_M": regroup_M,
+            "unregroup_M": unregroup_M,
+            "splits": (send_splits, recv_splits),
+        }
         return Dispatched(x_MH, recv_DL.sum(0), counts_E, state)
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         state = dispatched.state
         send_splits, recv_splits = state["splits"]
-        y_recv_MH = y_MH.index_select(0, inverse_permutation(state["regroup_M"]))
+        y_recv_MH = permute_rows(y_MH, state["unregroup_M"], state["regroup_M"])
         y_NH = all_to_all(y_recv_MH, send_splits, recv_splits, self.group)
-        return weighted_unsort(y_NH, state["order_N"], weights_TK)
+        return weighted_unsort(y_NH, state["inverse_N"], state["order_N"], weights_TK)
 
 
 class AllGatherDispatcher:
@@ -83,9 +92,7 @@ class AllGatherDispatcher:
         self.degree = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if num_experts % self.degree:
-            raise ValueError(
-                f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.degree}."
-            )
+            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.degree}.")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.degree
 
@@ -97,15 +104,14 @@ class AllGatherDispatcher:
             # Local experts get keys 0..L-1, every other expert the key L (sorted last, dropped).
             local_GK = ids_all_GK - self.rank * L
             key_N = torch.where((local_GK >= 0) & (local_GK < L), local_GK, L).reshape(-1)
-            order_N = torch.argsort(key_N, stable=True)
-            counts_L = torch.bincount(key_N, minlength=L + 1)[:L]
+            sorted_key_N, order_N = torch.sort(key_N, stable=True)
+            counts_L = expert_counts(sorted_key_N, L + 1)[:L]
             num_rows = int(counts_L.sum())  # the one host sync
             order_M = order_N[:num_rows]
-        x_MH = gather_rows(x_all_GH, order_M, K)
-        tokens_per_expert_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=self.num_experts)
-        return Dispatched(
-            x_MH, counts_L, tokens_per_expert_E, {"order_M": order_M, "rows": x_all_GH.shape[0]}
-        )
+        # Not a permutation (rows of other ranks' experts are left out): a plain index_select.
+        x_MH = x_all_GH.index_select(0, torch.div(order_M, K, rounding_mode="floor"))
+        tokens_per_expert_E = count_ids(expert_ids_TK, self.num_experts)
+        return Dispatched(x_MH, counts_L, tokens_per_expert_E, {"order_M": order_M, "rows": x_all_GH.shape[0]})
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         order_M = dispatched.state["order_M"]
@@ -139,21 +145,26 @@ class TokenShuffle:
         send_order = torch.argsort(mine_old, stable=True)  # my tokens by their new position
         send_splits = torch.bincount(mine_old // T, minlength=D).tolist()
         source_of_new = perm[r * T : (r + 1) * T] // T  # source rank of each of my new positions
-        recv_order = torch.argsort(
-            source_of_new, stable=True
-        )  # buffer row i holds new position recv_order[i]
+        recv_order = torch.argsort(source_of_new, stable=True)  # buffer row i holds new position recv_order[i]
         recv_splits = torch.bincount(source_of_new, minlength=D).tolist()
 
         device = x_TH.device
         send_order, recv_order = send_order.to(device), recv_order.to(device)
-        buffer_TH = all_to_all(x_TH.index_select(0, send_order), recv_splits, send_splits, self.group)
-        state = {"send_order": send_order, "recv_order": recv_order, "splits": (send_splits, recv_splits)}
-        return buffer_TH.index_select(0, inverse_permutation(recv_order)), state
+        unsend_order, unrecv_order = inverse_permutation(send_order), inverse_permutation(recv_order)
+        send_TH = permute_rows(x_TH, send_order, unsend_order)
+        buffer_TH = all_to_all(send_TH, recv_splits, send_splits, self.group)
+        state = {
+            "send_order": send_order,
+            "unsend_order": unsend_order,
+            "recv_order": recv_order,
+            "unrecv_order": unrecv_order,
+            "splits": (send_splits, recv_splits),
+        }
+        return permute_rows(buffer_TH, unrecv_order, recv_order), state
 
     def unshuffle(self, y_TH: torch.Tensor, state: dict) -> torch.Tensor:
         """The exact inverse of ``shuffle`` (and its adjoint in backward)."""
         send_splits, recv_splits = state["splits"]
-        buffer_TH = all_to_all(
-            y_TH.index_select(0, state["recv_order"]), send_splits, recv_splits, self.group
-        )
-        return buffer_TH.index_select(0, inverse_permutation(state["send_order"]))
+        send_TH = permute_rows(y_TH, state["recv_order"], state["unrecv_order"])
+        buffer_TH = all_to_all(send_TH, send_splits, recv_splits, self.group)
+        return permute_rows(buffer_TH, state["unsend_order"], state["send_order"])

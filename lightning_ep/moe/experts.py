@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_ep.moe.swiglu import swiglu
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
@@ -152,8 +154,7 @@ def _grouped_forward(
     assert _GROUPED_MM is not None
     offsets_L = torch.cumsum(counts_L.to(device=x_NH.device), dim=0).to(torch.int32)
     h_NF = _GROUPED_MM(x_NH, w1_LFH.transpose(-2, -1), offs=offsets_L)
-    gate_NI, up_NI = h_NF.chunk(2, dim=-1)
-    a_NI = act_fn(gate_NI) * up_NI
+    a_NI = swiglu(h_NF, act_fn)  # a fused kernel for SiLU on CUDA
     return _GROUPED_MM(a_NI, w2_LHI.transpose(-2, -1), offs=offsets_L)
 
 

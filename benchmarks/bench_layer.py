@@ -1,0 +1,337 @@
+"""One MoE layer, forward + backward: time per phase, host syncs, and the floor beside it.
+
+Pure torch (no Lightning, no transformers). For each shape, expert-parallel degree, dispatcher and
+code variant it reports:
+
+- ``fwd+bwd ms``: the median of ``layer(x).backward(g)`` timed with CUDA events;
+- the phases router, permutation, all-to-all, experts, combine (forward + backward), from a second
+  run whose tensors carry identity autograd marks that record a CUDA event in forward and in
+  backward (so backward phases are timed too); the marks cost a few microseconds each;
+- ``syncs``: device-to-host synchronisations of one fwd+bwd (``torch.cuda.set_sync_debug_mode``);
+- the floor of ``shared/notes/anchors.md``: expert compute ``18 * M * H * I`` at the grouped-GEMM
+  rate, measured in this run on the layer's own per-expert row counts, plus four all-to-alls of
+  the dispatched rows at the bandwidth measured in this run (``4 * t_a2a``; 0 at degree 1).
+
+Variants (each toggles one change of the hot path, so its effect is measured in the same run):
+``fast`` (the code as it is), ``sync-counts`` (counts per expert by ``torch.bincount``, which
+reads the maximum id back to the host), ``atomic-bwd`` (permutations by ``index_select``, whose
+backward zero-fills and scatter-adds), ``reference`` (both).
+
+Run (two GPUs; degree 1 runs on each GPU alone):
+
+    torchrun --nproc-per-node 2 benchmarks/bench_layer.py --shapes coarse fine --record
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _common import (
+    SHAPES,
+    VARIANTS,
+    Shape,
+    Timer,
+    all_to_all_ms,
+    count_host_syncs,
+    dense_gemm_tflops,
+    elapsed_ms,
+    grouped_gemm_fwd_bwd_ms,
+    log,
+    markdown_table,
+    rank,
+    stamp,
+    variant,
+    world,
+    write_results,
+)
+from torch import nn
+
+from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter, dispatch_ep
+
+PHASES = ("router", "permutation", "all-to-all", "experts", "combine")
+
+
+# ---------------------------------------------------------------- phase marks
+
+
+class Timeline:
+    """Stamps recorded in forward and in backward, each closing an interval with a label."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.fwd: list[tuple[str | None, Any]] = []
+        self.bwd: list[tuple[str | None, Any]] = []
+        self.side = "dispatch"  # which side of the layer the collectives belong to
+
+    def record(self, events: list[tuple[str | None, Any]], label: str | None) -> None:
+        events.append((label, stamp(self.device)))
+
+    def phases(self) -> dict[str, float]:
+        """Milliseconds per phase, forward and backward together."""
+        totals = dict.fromkeys(PHASES, 0.0)
+        for events in (self.fwd, self.bwd):
+            for (_, start), (label, end) in itertools.pairwise(events):
+                if label in totals:
+                    totals[label] += elapsed_ms(start, end)
+        return totals
+
+
+class _Mark(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, timeline: Timeline, fwd: str | None, bwd: str | None) -> torch.Tensor:
+        timeline.record(timeline.fwd, fwd)
+        ctx.timeline, ctx.label = timeline, bwd
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ctx.timeline.record(ctx.timeline.bwd, ctx.label)
+        return grad, None, None, None
+
+
+def mark(x: torch.Tensor, timeline: Timeline, fwd: str | None, bwd: str | None) -> torch.Tensor:
+    """Identity; closes the forward interval ``fwd`` now and the backward interval ``bwd`` when
+    the gradient of ``x`` is ready."""
+    if not x.requires_grad:
+        timeline.record(timeline.fwd, fwd)
+        return x
+    return _Mark.apply(x, timeline, fwd, bwd)
+
+
+@contextlib.contextmanager
+def marked_collectives(timeline: Timeline) -> Iterator[None]:
+    """Wrap the dispatchers' differentiable collectives with marks (the all-to-all phase)."""
+
+    def wrap(fn: Any) -> Any:
+        def wrapped(x: torch.Tensor, *args: Any) -> torch.Tensor:
+            side = "permutation" if timeline.side == "dispatch" else "combine"
+            x = mark(x, timeline, side, "all-to-all")
+            return mark(fn(x, *args), timeline, "all-to-all", side)
+
+        return wrapped
+
+    names = ("all_to_all", "all_gather_rows", "reduce_scatter_rows")
+    saved = [(name, getattr(dispatch_ep, name)) for name in names]
+    for name, fn in saved:
+        setattr(dispatch_ep, name, wrap(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved:
+            setattr(dispatch_ep, name, fn)
+
+
+def marked_forward(layer: MoELayer, x_TH: torch.Tensor, timeline: Timeline) -> torch.Tensor:
+    """``MoELayer.forward`` step by step (no jitter, no shuffle), with marks between the phases."""
+    x_gate = mark(x_TH, timeline, None, "router")
+    x_disp = mark(x_TH, timeline, "-", "permutation")
+    routing = layer.gate(x_gate)
+    weights_TK = mark(routing.weights_TK, timeline, "router", "combine")
+    timeline.side = "dispatch"
+    with marked_collectives(timeline):
+        dispatched = layer.dispatcher.dispatch(x_disp, routing.expert_ids_TK)
+        x_MH = mark(dispatched.x_MH, timeline, "permutation", "experts")
+        y_MH = mark(layer.experts(x_MH, dispatched.counts_L), timeline, "experts", "combine")
+        timeline.side = "combine"
+        out_TH = layer.dispatcher.combine(y_MH, weights_TK, dispatched)
+    out_TH = mark(out_TH, timeline, "combine", "router")
+    # The layer's own loss bookkeeping, timed as router.
+    out_TH = layer._account(
+        out_TH, routing.logits_TE, routing.probs_TE, routing.expert_ids_TK, dispatched.tokens_per_expert_E
+    )
+    return mark(out_TH, timeline, "router", None)
+
+
+# ---------------------------------------------------------------- the layer
+
+
+def build_layer(shape: Shape, balancing: str, device: torch.device, dtype: torch.dtype) -> MoELayer:
+    """A Mixtral-style MoE layer with random weights (same on every rank), ``dtype`` parameters."""
+    g = torch.Generator(device=device).manual_seed(0)
+    H, I, E = shape.hidden, shape.inter, shape.experts  # noqa: E741
+    gate_w = torch.randn(E, H, device=device, generator=g, dtype=dtype) * H**-0.5
+    w1 = torch.randn(E, 2 * I, H, device=device, generator=g, dtype=dtype) * 0.02
+    w2 = torch.randn(E, H, I, device=device, generator=g, dtype=dtype) * 0.02
+    config = MoEConfig(moe_load_balancing=balancing)  # type: ignore[arg-type]
+    gate = TopKRouter(nn.Parameter(gate_w), top_k=shape.top_k, mode=config.moe_load_balancing)
+    experts = GroupedExperts(nn.Parameter(w1), nn.Parameter(w2), F.silu)
+    return MoELayer(gate, experts, config).train()
+
+
+def parallelize(layer: MoELayer, degree: int, dispatcher: str, device: torch.device) -> MoELayer:
+    """Shard the experts over ``degree`` ranks (``degree == world``) and pick the dispatcher."""
+    if degree == 1:
+        return layer
+    import dataclasses
+
+    from lightning_ep.parallel.expert import parallelize_moe_layers
+    from lightning_ep.parallel.mesh import init_mesh
+
+    layer.config = dataclasses.replace(layer.config, moe_all_to_all_dispatcher=dispatcher == "a2a")
+    holder = nn.ModuleDict({"moe": layer})
+    parallelize_moe_layers(holder, init_mesh(degree, device_type=device.type))
+    return layer
+
+
+def measure(
+    layer: MoELayer, shape: Shape, tokens: int, device: torch.device, dtype: torch.dtype, args: Any
+) -> dict[str, Any]:
+    g = torch.Generator(device=device).manual_seed(100 + rank())
+    x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype, generator=g).requires_grad_(True)
+    grad = torch.randn(tokens, shape.hidden, device=device, dtype=dtype, generator=g)
+    params = list(layer.parameters())
+
+    def step() -> None:
+        layer(x).backward(grad)
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    for _ in range(args.warmup):
+        step()
+    samples = []
+    for _ in range(args.iters):
+        timer = Timer(device)
+        timer.start()
+        step()
+        timer.stop()
+        samples.append(timer.ms())
+    total = statistics.median(samples)
+    syncs = count_host_syncs(step)
+
+    phase_samples: dict[str, list[float]] = {p: [] for p in PHASES}
+    marked = []
+    for i in range(args.warmup + args.iters):
+        timeline = Timeline(device)
+        timer = Timer(device)
+        timer.start()
+        marked_forward(layer, x, timeline).backward(grad)
+        timer.stop()
+        x.grad = None
+        for p in params:
+            p.grad = None
+        if i >= args.warmup:
+            marked.append(timer.ms())
+            for p, ms in timeline.phases().items():
+                phase_samples[p].append(ms)
+    phases = {p: statistics.median(v) for p, v in phase_samples.items()}
+    return {"total": total, "marked": statistics.median(marked), "syncs": syncs, **phases}
+
+
+def floor_ms(layer: MoELayer, shape: Shape, tokens: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """The anchors.md floor, from ceilings measured now on this layer's own routing."""
+    with torch.no_grad():
+        x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
+        routing = layer.gate(x)
+        dispatched = layer.dispatcher.dispatch(x, routing.expert_ids_TK)
+        counts = dispatched.counts_L.tolist()
+    rows = int(sum(counts))
+    gemm = grouped_gemm_fwd_bwd_ms(counts, shape.hidden, shape.inter, device, dtype)
+    gemm_tflops = 18 * rows * shape.hidden * shape.inter / (gemm * 1e-3) / 1e12
+    degree = getattr(layer.dispatcher, "degree", 1)
+    a2a = all_to_all_ms(tokens * shape.top_k, shape.hidden, device, dtype) if degree > 1 else 0.0
+    crossing = tokens * shape.top_k * shape.hidden * dtype.itemsize * (degree - 1) / degree
+    bandwidth = crossing / (a2a * 1e-3) / 1e9 if a2a else float("nan")
+    return {
+        "rows": rows,
+        "gemm_ms": gemm,
+        "gemm_tflops": gemm_tflops,
+        "a2a_ms": 4 * a2a,
+        "a2a_GBps": bandwidth,
+        "floor": gemm + 4 * a2a,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["coarse", "fine"], choices=sorted(SHAPES))
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per GPU (batch x sequence)")
+    parser.add_argument("--degrees", nargs="+", type=int, default=None, help="default: 1 and the world size")
+    parser.add_argument("--dispatchers", nargs="+", default=["a2a", "allgather"], choices=["a2a", "allgather"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--balancing", default="none", choices=["none", "aux_loss", "sinkhorn", "balanced"])
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--record", action="store_true", help="append the table to --results")
+    parser.add_argument("--results", default=None, help="markdown file to append to (default benchmarks/RESULTS.md)")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    if world() > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", rank() % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dense = dense_gemm_tflops(device)
+    log(f"dense GEMM: {dense:.0f} TFLOP/s on {device}")
+    degrees = args.degrees or sorted({1, world()})
+
+    rows: list[dict[str, Any]] = []
+    for shape_name in args.shapes:
+        shape = SHAPES[shape_name]
+        for degree in degrees:
+            if degree not in (1, world()):
+                log(f"skip degree {degree}: runs at degree 1 or the world size ({world()})")
+                continue
+            for dispatcher in args.dispatchers if degree > 1 else ["local"]:
+                layer = parallelize(build_layer(shape, args.balancing, device, dtype), degree, dispatcher, device)
+                floor = floor_ms(layer, shape, args.tokens, device, dtype)
+                for name in args.variants:
+                    with variant(name):
+                        result = measure(layer, shape, args.tokens, device, dtype, args)
+                    row = {
+                        "shape": shape_name,
+                        "D": degree,
+                        "dispatcher": dispatcher,
+                        "variant": name,
+                        "fwd+bwd ms": result["total"],
+                        **{p: result[p] for p in PHASES},
+                        "marked ms": result["marked"],
+                        "syncs": result["syncs"],
+                        "floor ms": floor["floor"],
+                        "x floor": result["total"] / floor["floor"],
+                        "GEMM ms": floor["gemm_ms"],
+                        "GEMM TF/s": floor["gemm_tflops"],
+                        "4xA2A ms": floor["a2a_ms"],
+                        "A2A GB/s": floor["a2a_GBps"],
+                    }
+                    rows.append(row)
+                    log(
+                        f"{shape_name} D={degree} {dispatcher:9s} {name:11s} "
+                        f"{result['total']:8.2f} ms  floor {floor['floor']:7.2f}  syncs {result['syncs']}  "
+                        + " ".join(f"{p}={result[p]:.2f}" for p in PHASES)
+                    )
+                del layer
+                if cuda:
+                    torch.cuda.empty_cache()
+
+    table = markdown_table(rows)
+    log("\n" + table)
+    if args.record:
+        notes = (
+            f"Tokens per GPU {args.tokens}, balancing {args.balancing!r}, bf16 weights and activations, "
+            f"median of {args.iters} after {args.warmup} warm-ups; dense bf16 GEMM {dense:.0f} TFLOP/s. "
+            "Phases are forward + backward; `marked ms` is the run that carries the phase marks. "
+            "Floor = expert GEMMs at the grouped-GEMM rate measured now on the layer's own row counts "
+            "+ 4 all-to-alls of the dispatched rows measured now (no overlap). "
+            "`syncs`: device-to-host synchronisations in one forward + backward."
+        )
+        path = Path(args.results) if args.results else None
+        title = f"bench_layer: one MoE layer, forward + backward ({world()} process(es))"
+        write_results(title, table, notes, path)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

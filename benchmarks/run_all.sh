@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Every benchmark on one machine with 2 GPUs, in one go, appending to RESULTS (default
+# benchmarks/RESULTS.md). Usage: benchmarks/run_all.sh [RESULTS] [LOGDIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+R=${1:-benchmarks/RESULTS.md}
+L=${2:-/tmp/lightning_ep_bench}
+mkdir -p "$L"
+T="python3 -m torch.distributed.run --nproc-per-node 2"
+S="benchmarks/bench_step.py --record --results $R"
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" >>"$L/$name.log" 2>&1; echo "exit $?"; }
+
+run layer 150 $T benchmarks/bench_layer.py --warmup 3 --iters 10 --record --results "$R"
+for shape in coarse fine; do
+  run "step_${shape}" 200 $T $S --shape $shape --profile \
+    --rows grouped_mm ep:a2a ep:a2a@reference ep:allgather ep:a2a+zero2 eager
+  run extra 150 $T $S --shape $shape --rows hf_ep
+  run extra 100 env CUDA_VISIBLE_DEVICES=0 python3 $S --shape $shape --rows ep:a2a grouped_mm
+done
+grep -hE "^(coarse|fine) " "$L/layer.log"
+grep -hE "^\| \(|^\| row" "$L"/step_*.log "$L"/extra.log

@@ -1,0 +1,111 @@
+"""SwiGLU on the first grouped GEMM's output: ``a = silu(h[:, :I]) * h[:, I:]``.
+
+Legend: N rows, I expert width, F = 2I (gate columns first, then up columns, as Hugging Face
+stacks ``gate_up_proj``).
+
+Two implementations with one contract (``swiglu``):
+
+- a fused Triton kernel on CUDA: forward reads ``h`` once and writes ``a``; backward reads ``h``
+  and the gradient once and writes ``grad_h`` (no saved ``silu(gate)``, no ``cat`` of the halves);
+  every value is computed in fp32 and rounded once;
+- the torch expression ``act_fn(gate) * up`` under autograd elsewhere, the reference the kernel is
+  tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_BLOCK = 1024
+
+
+@functools.cache
+def _triton() -> Any:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    return _build_kernels(triton, tl)
+
+
+def is_silu(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``act_fn`` is SiLU: ``F.silu``, ``nn.SiLU``, or transformers' ``SiLUActivation``
+    (what ``ACT2FN["silu"]`` returns; matched by name, this package never imports transformers)."""
+    return act_fn is F.silu or isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+
+
+def fused_swiglu_available(h_NF: torch.Tensor) -> bool:
+    """Whether the Triton kernel runs for ``h_NF`` (a CUDA tensor, Triton importable)."""
+    return h_NF.is_cuda and _triton() is not None
+
+
+def swiglu(h_NF: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``act_fn(h[:, :I]) * h[:, I:]``; the fused kernel when ``act_fn`` is SiLU on CUDA."""
+    if is_silu(act_fn) and fused_swiglu_available(h_NF):
+        return _FusedSwiGLU.apply(h_NF)
+    gate_NI, up_NI = h_NF.chunk(2, dim=-1)
+    return act_fn(gate_NI) * up_NI
+
+
+class _FusedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h_NF: torch.Tensor) -> torch.Tensor:
+        kernels = _triton()
+        h_NF = h_NF.contiguous()
+        rows, width = h_NF.shape[0], h_NF.shape[1] // 2
+        a_NI = h_NF.new_empty((rows, width))
+        if rows:
+            kernels.forward[(rows, -(-width // _BLOCK))](h_NF, a_NI, I=width, BLOCK=_BLOCK)
+        ctx.save_for_backward(h_NF)
+        return a_NI
+
+    @staticmethod
+    def backward(ctx: Any, grad_NI: torch.Tensor) -> tuple[Any, ...]:
+        kernels = _triton()
+        (h_NF,) = ctx.saved_tensors
+        rows, width = h_NF.shape[0], h_NF.shape[1] // 2
+        grad_NI = grad_NI.contiguous()
+        grad_NF = torch.empty_like(h_NF)
+        if rows:
+            kernels.backward[(rows, -(-width // _BLOCK))](h_NF, grad_NI, grad_NF, I=width, BLOCK=_BLOCK)
+        return (grad_NF,)
+
+
+def _build_kernels(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def swiglu_forward(h_ptr, a_ptr, I: tl.constexpr, BLOCK: tl.constexpr):  # noqa: E741
+        n = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < I
+        gate = tl.load(h_ptr + n * (2 * I) + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + n * (2 * I) + I + offs, mask=mask, other=0.0).to(tl.float32)
+        silu = gate / (1.0 + tl.exp(-gate))
+        tl.store(a_ptr + n * I + offs, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def swiglu_backward(h_ptr, g_ptr, gh_ptr, I: tl.constexpr, BLOCK: tl.constexpr):  # noqa: E741
+        # d/d gate = g * up * sig * (1 + gate * (1 - sig)); d/d up = g * silu(gate).
+        n = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < I
+        gate = tl.load(h_ptr + n * (2 * I) + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + n * (2 * I) + I + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + n * I + offs, mask=mask, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-gate))
+        grad_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
+        grad_up = g * gate * sig
+        tl.store(gh_ptr + n * (2 * I) + offs, grad_gate.to(gh_ptr.dtype.element_ty), mask=mask)
+        tl.store(gh_ptr + n * (2 * I) + I + offs, grad_up.to(gh_ptr.dtype.element_ty), mask=mask)
+
+    class Kernels:
+        forward = swiglu_forward
+        backward = swiglu_backward
+
+    return Kernels
