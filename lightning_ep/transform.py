@@ -25,10 +25,14 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
 
     The new layers adopt the blocks' own ``Parameter`` objects: parameter names, global shapes and
     values are unchanged, so ``state_dict()`` and ``save_pretrained`` still match the Hugging Face
-    model (``"balanced"`` mode adds one buffer per layer, ``gate.expert_bias``).
+    model (``"balanced"`` mode adds one buffer per layer, ``gate.expert_bias``, unless the model has
+    its own selection bias, as DeepSeek-V3's ``gate.e_score_correction_bias``, which it then updates).
+    The supported families are those of ``lightning_ep.models`` (``config.model_type`` picks one):
+    mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, glm4_moe and gpt_oss.
 
     Args:
         model: a Hugging Face MoE model (e.g. ``MixtralForCausalLM``), on any device, meta included.
+            Only the sparse MoE blocks are replaced; dense MLP layers interleaved with them stay.
         config: routing, balancing and dispatch options; ``smp_moe=False`` returns ``model`` untouched.
         mesh: ``None`` for one process. A mesh from ``init_mesh`` shards the experts on its ``"ep"``
             axis and exchanges tokens there (see ``lightning_ep.parallel.expert``).
@@ -62,13 +66,21 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
 
 
 def _check_same_parameters(name: str, block: nn.Module, layer: MoELayer) -> None:
-    """Strict check: the layer's parameters are exactly the block's (names, shapes, objects)."""
+    """Strict check: the layer's parameters are exactly the block's (names, shapes, objects), and
+    it keeps every persistent buffer of the block (e.g. DeepSeek's ``e_score_correction_bias``)."""
     before = dict(block.named_parameters())
     after = dict(layer.named_parameters())
     if before.keys() != after.keys() or any(before[k] is not after[k] for k in before):
         raise RuntimeError(
             f"adapter bug at {name}: block parameters {sorted(before)} became {sorted(after)}; "
             "the MoE layer must adopt every parameter of the block under the same name."
+        )
+    buffers_before = {k: v for k, v in block.state_dict(keep_vars=True).items() if k not in before}
+    buffers_after = layer.state_dict(keep_vars=True)
+    if any(buffers_after.get(k) is not v for k, v in buffers_before.items()):
+        raise RuntimeError(
+            f"adapter bug at {name}: block buffers {sorted(buffers_before)} are not all kept by the MoE layer "
+            f"(its state dict: {sorted(buffers_after)}); it must adopt every persistent buffer under the same name."
         )
 
 

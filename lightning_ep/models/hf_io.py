@@ -2,8 +2,9 @@
 
 - ``load_pretrained_sharded(model, folder)``: every rank reads from a ``save_pretrained`` folder
   only the rows its own shards hold (positioned reads, see ``safetensors_reader``), fusing
-  Mixtral's per-expert on-disk matrices into the in-memory ``gate_up_proj [E, 2I, H]`` /
-  ``down_proj [E, H, I]`` on the fly.
+  per-expert on-disk matrices (Mixtral, the Qwen-MoE, OLMoE and DeepSeek-V3 families) into the
+  in-memory ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` on the fly; fused on-disk
+  tensors (GPT-OSS, biases included) are sliced like any other.
 - ``export_hf(source, out_dir, hf_config_or_folder=...)`` (defined in ``hf_export``): a live
   sharded model, a Lightning checkpoint (sharded DCP directory or full file) or a state dict,
   written as a folder that ``AutoModelForCausalLM.from_pretrained`` loads on one process.
@@ -118,7 +119,8 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
     positioned read per contiguous run, no memory map: see ``safetensors_reader``). Fused experts
     are assembled from the on-disk per-expert matrices given by the model family's table
     (Mixtral: ``...block_sparse_moe.experts.{e}.w1`` ``[I, H]`` = gate rows, then ``w3`` = up rows
-    of ``gate_up_proj [E, 2I, H]``; ``w2`` ``[H, I]`` is ``down_proj[e]``). Besides its own
+    of ``gate_up_proj [E, 2I, H]``; ``w2`` ``[H, I]`` is ``down_proj[e]``; the Qwen-MoE family:
+    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``). Besides its own
     shards, a rank's host memory holds one block being read at a time, never the full model. No
     collective is called. Tied weights are read once; this library's ``expert_bias`` buffers keep
     their values (Hugging Face checkpoints have none).

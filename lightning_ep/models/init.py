@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from lightning_ep.moe.experts import GroupedExperts
+from lightning_ep.moe.experts_variants import InterleavedGLUExperts
 from lightning_ep.moe.router import TopKRouter
 
 
@@ -17,17 +18,25 @@ def _std(model: nn.Module) -> float:
 @torch.no_grad()
 def init_moe_weights(model: nn.Module) -> None:
     """Initialise every MoE router and expert weight as Hugging Face does for its own classes:
-    ``normal(0, initializer_range)``; the ``"balanced"`` bias to zero. Works on DTensors."""
+    ``normal(0, initializer_range)`` for weights and the router's logit bias (GPT-OSS), zeros for
+    expert biases and for the selection bias (``"balanced"``'s ``expert_bias``, DeepSeek's
+    ``e_score_correction_bias``). Works on DTensors."""
     std = _std(model)
     for module in model.modules():
         if isinstance(module, TopKRouter):
             nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.normal_(module.bias, mean=0.0, std=std)
+            if module.selection_bias is not None:
+                module.selection_bias.zero_()
             if module.mode == "balanced":
-                module.expert_bias.zero_()
                 module.pending_load.zero_()
-        elif isinstance(module, GroupedExperts):
-            nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
-            nn.init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, (GroupedExperts, InterleavedGLUExperts)):
+            for name, param in module.named_parameters(recurse=False):
+                if name.endswith("_bias"):
+                    nn.init.zeros_(param)
+                else:
+                    nn.init.normal_(param, mean=0.0, std=std)
 
 
 @torch.no_grad()

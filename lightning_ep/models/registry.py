@@ -1,40 +1,71 @@
 """The declarative adapter table and the generic code that applies it.
 
 A ``MoEFamily`` says, for one Hugging Face model family, which block class is the sparse MoE
-block, where its router and expert weights live (paths relative to the block), and which config
-fields give top-k, expert count, activation and jitter. ``build_layer`` turns one block into a
-``MoELayer`` that adopts the block's own ``Parameter`` objects.
+block, where its router, expert weights and shared experts live (paths relative to the block),
+how the router scores and selects, and which config fields give top-k, groups, scaling,
+activation and jitter. ``build_layer`` turns one block into a ``MoELayer`` that adopts the block's
+own ``Parameter`` objects, buffers and shared-expert modules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.experts import GroupedExperts
+from lightning_ep.moe.experts_variants import InterleavedGLUExperts
 from lightning_ep.moe.layer import MoELayer
-from lightning_ep.moe.router import TopKRouter
+from lightning_ep.moe.router import Scoring, TopKRouter
+
+ExpertLayout = Literal["gate_up", "interleaved"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class MoEFamily:
     """How one Hugging Face family maps onto ``MoELayer``.
 
+    Paths are relative to the block; config fields are read from ``model.config`` (``None``: the
+    family has no such field, the neutral value is used).
+
     Attributes:
         name: family name shown in messages.
         model_types: ``config.model_type`` values this adapter serves.
-        block_classes: class names of the sparse MoE block to replace.
-        router_weight: path of the gate weight ``[E, H]`` inside the block.
-        gate_up_proj: path of ``[E, 2I, H]``.
-        down_proj: path of ``[E, H, I]``.
+        block_classes: class names of the sparse MoE block to replace (dense MLPs of the same model,
+            e.g. DeepSeek's first ``first_k_dense_replace`` layers, are other classes and stay).
+        router_weight: path of the gate weight ``[E, H]``; its module is a child of the block whose
+            name the layer keeps (``gate``; GPT-OSS: ``router``).
+        router_bias: path of the gate's logit bias ``[E]`` (GPT-OSS), or ``None``.
+        score_correction_bias: path of the selection-only bias buffer ``[E]`` (DeepSeek-V3's
+            ``gate.e_score_correction_bias``), or ``None``.
+        scoring: the router's scoring, ``"softmax"``, ``"sigmoid"`` or ``"topk_softmax"`` (see
+            ``lightning_ep.moe.router``).
         top_k: config field with the experts per token.
-        activation: config field with the activation name (an ``ACT2FN`` key).
-        jitter: config field with the multiplicative router jitter, or ``None``.
         normalize_weights: config field (or a fixed bool) deciding top-k renormalisation.
+        n_group: config field with the number of expert groups (group-limited top-k).
+        topk_group: config field with the groups kept per token.
+        routed_scaling_factor: config field with the factor applied to the combine weights.
+        jitter: config field with the multiplicative router jitter, or ``None``.
+        expert_layout: ``"gate_up"``: ``gate_up_proj [E, 2I, H]`` (gate rows first) and
+            ``down_proj [E, H, I]`` with an ``ACT2FN`` activation (``GroupedExperts``);
+            ``"interleaved"``: GPT-OSS's ``gate_up_proj [E, H, 2I]`` (interleaved columns),
+            ``down_proj [E, I, H]``, biases at ``<path>_bias`` and the clamped SwiGLU
+            (``InterleavedGLUExperts``).
+        gate_up_proj: path of the fused gate/up weight.
+        down_proj: path of the down weight.
+        activation: config field with the activation name (``"gate_up"`` layout).
+        swiglu_alpha: path of the Hugging Face attribute holding the gate's sigmoid slope
+            (``"interleaved"`` layout; read from the experts module, which holds it in every
+            transformers version, while the config field is recent).
+        swiglu_limit: path of the attribute holding the clamp limit (``"interleaved"`` layout).
+        shared_experts: name of the block's dense shared-expert child, added to every token's
+            output (Qwen2-MoE ``shared_expert``, DeepSeek ``shared_experts``), or ``None``.
+        shared_experts_gate: name of the child giving the shared experts' sigmoid gate logit
+            (Qwen2-MoE ``shared_expert_gate``), or ``None``.
+        layer_class: the ``MoELayer`` class to build (GPT-OSS's returns a pair).
         disk_renames: ``(in memory, on disk)`` substring pairs that turn a state-dict key into its
             name in ``save_pretrained`` files, as transformers' ``WeightRenaming`` does.
         disk_gate_up_proj: per-expert on-disk keys relative to the block (``{e}`` = expert index)
@@ -47,38 +78,129 @@ class MoEFamily:
     model_types: tuple[str, ...]
     block_classes: tuple[str, ...]
     router_weight: str = "gate.weight"
+    router_bias: str | None = None
+    score_correction_bias: str | None = None
+    scoring: Scoring = "softmax"
+    top_k: str = "num_experts_per_tok"
+    normalize_weights: str | bool = True
+    n_group: str | None = None
+    topk_group: str | None = None
+    routed_scaling_factor: str | None = None
+    jitter: str | None = None
+    expert_layout: ExpertLayout = "gate_up"
     gate_up_proj: str = "experts.gate_up_proj"
     down_proj: str = "experts.down_proj"
-    top_k: str = "num_experts_per_tok"
     activation: str = "hidden_act"
-    jitter: str | None = None
-    normalize_weights: str | bool = True
+    swiglu_alpha: str = "experts.alpha"
+    swiglu_limit: str = "experts.limit"
+    shared_experts: str | None = None
+    shared_experts_gate: str | None = None
+    layer_class: type[MoELayer] = MoELayer
     disk_renames: tuple[tuple[str, str], ...] = ()
     disk_gate_up_proj: tuple[str, ...] = ()
     disk_down_proj: tuple[str, ...] = ()
 
-    def build_layer(self, block: nn.Module, hf_config: Any, config: MoEConfig, layer_index: int) -> MoELayer:
-        """A ``MoELayer`` computing what ``block`` computes, sharing its parameters."""
-        from transformers.activations import ACT2FN
+    def __post_init__(self) -> None:
+        router = self.router_weight.rpartition(".")[0]
+        if not router or "." in router:
+            raise ValueError(
+                f"MoEFamily(router_weight={self.router_weight!r}): the router must be a direct child of the "
+                "block, e.g. 'gate.weight'."
+            )
 
-        normalize = self.normalize_weights
-        if isinstance(normalize, str):
-            normalize = bool(getattr(hf_config, normalize))
+    @property
+    def router_name(self) -> str:
+        """The router's child name in the block (``gate``; GPT-OSS: ``router``)."""
+        return self.router_weight.rpartition(".")[0]
+
+    def build_layer(self, block: nn.Module, hf_config: Any, config: MoEConfig, layer_index: int) -> MoELayer:
+        """A ``MoELayer`` computing what ``block`` computes, sharing its parameters and buffers."""
         gate = TopKRouter(
             block.get_parameter(self.router_weight),
-            top_k=int(getattr(hf_config, self.top_k)),
+            top_k=int(_field(hf_config, self.top_k, None)),
             mode=config.moe_load_balancing,
-            normalize_weights=normalize,
+            normalize_weights=bool(_field(hf_config, self.normalize_weights, None)),
             router_dtype=getattr(torch, config.router_dtype),
             sinkhorn_iterations=config.sinkhorn_iterations,
+            scoring=self.scoring,
+            bias=block.get_parameter(self.router_bias) if self.router_bias else None,
+            e_score_correction_bias=(
+                block.get_buffer(self.score_correction_bias) if self.score_correction_bias else None
+            ),
+            n_group=int(_field(hf_config, self.n_group, 1) or 1),
+            topk_group=int(_field(hf_config, self.topk_group, 1) or 1),
+            scaling_factor=float(_field(hf_config, self.routed_scaling_factor, 1.0) or 1.0),
         )
-        experts = GroupedExperts(
+        names = {"gate": self.router_name}
+        shared = {}
+        for role, child in (("shared_experts", self.shared_experts), ("shared_experts_gate", self.shared_experts_gate)):
+            if child is not None:
+                names[role] = child
+                shared[role] = block.get_submodule(child)
+        jitter = float(_field(hf_config, self.jitter, 0.0) or 0.0)
+        layer = self.layer_class(
+            gate,
+            self._build_experts(block, hf_config),
+            config,
+            jitter_noise=jitter,
+            layer_index=layer_index,
+            child_names=names,
+            **shared,
+        )
+        # The block's child order, so that state_dict() lists the keys exactly as before.
+        order = {name: i for i, name in enumerate(block._modules)}
+        layer._modules = dict(sorted(layer._modules.items(), key=lambda item: order.get(item[0], len(order))))
+        return layer
+
+    def _build_experts(self, block: nn.Module, hf_config: Any) -> GroupedExperts | InterleavedGLUExperts:
+        if self.expert_layout == "interleaved":
+            return InterleavedGLUExperts(
+                block.get_parameter(self.gate_up_proj),
+                block.get_parameter(self.gate_up_proj + "_bias"),
+                block.get_parameter(self.down_proj),
+                block.get_parameter(self.down_proj + "_bias"),
+                alpha=float(_attribute(block, self.swiglu_alpha)),
+                limit=float(_attribute(block, self.swiglu_limit)),
+            )
+        from transformers.activations import ACT2FN
+
+        return GroupedExperts(
             block.get_parameter(self.gate_up_proj),
             block.get_parameter(self.down_proj),
-            ACT2FN[getattr(hf_config, self.activation)],
+            ACT2FN[_field(hf_config, self.activation, None)],
         )
-        jitter = float(getattr(hf_config, self.jitter) or 0.0) if self.jitter else 0.0
-        return MoELayer(gate, experts, config, jitter_noise=jitter, layer_index=layer_index)
+
+
+def _attribute(block: nn.Module, path: str) -> Any:
+    """The plain attribute at ``path`` (``"child.name"``) of ``block``, or a clear error."""
+    owner, _, name = path.rpartition(".")
+    module = block.get_submodule(owner) if owner else block
+    if not hasattr(module, name):
+        raise ValueError(
+            f"transform(model): {type(module).__name__} has no attribute {name!r}, which this family's adapter "
+            "reads; check that the installed transformers supports this model."
+        )
+    return getattr(module, name)
+
+
+def _field(hf_config: Any, field: str | bool | None, default: Any) -> Any:
+    """``hf_config.<field>``; a bool is a fixed value; ``None`` (no such field) gives ``default``.
+
+    A field the table names but the config lacks is an error unless there is a default: the
+    adapter and the installed transformers disagree, and guessing could change the math.
+    """
+    if field is None:
+        return default
+    if isinstance(field, bool):
+        return field
+    if hasattr(hf_config, field):
+        return getattr(hf_config, field)
+    if default is not None:
+        return default
+    raise ValueError(
+        f"transform(model): {type(hf_config).__name__} has no field {field!r}, which this family's adapter "
+        "needs; check that the installed transformers supports this model."
+    )
 
 
 FAMILIES: dict[str, MoEFamily] = {}
@@ -124,4 +246,4 @@ def replace_module(root: nn.Module, qualified_name: str, new: nn.Module) -> None
 
 def _load_adapters() -> None:
     # Importing an adapter module registers it.
-    from lightning_ep.models import mixtral  # noqa: F401
+    from lightning_ep.models import deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401

@@ -6,7 +6,8 @@ per token, M rows received by the local experts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.dispatch import Dispatcher
 from lightning_ep.moe.dispatchers import make_dispatcher
 from lightning_ep.moe.experts import GroupedExperts
+from lightning_ep.moe.experts_variants import InterleavedGLUExperts
 from lightning_ep.moe.losses import attach_losses, load_balancing_loss, z_loss
 from lightning_ep.moe.rng import DrawCounter, in_backward, make_generator
 from lightning_ep.moe.router import TopKRouter
@@ -24,14 +26,24 @@ if TYPE_CHECKING:
 
 _JITTER_STREAM = 0
 _SHUFFLE_STREAM = 1
+# The layer's roles for its children; ``MoELayer(child_names=...)`` maps them to Hugging Face names.
+_ROLES = {"gate": "gate", "shared_experts": "shared_experts", "shared_experts_gate": "shared_experts_gate"}
 
 
 class MoELayer(nn.Module):
-    """A sparse MoE block: a top-k router (``gate``), routed experts (``experts``) and the
-    dispatcher that moves tokens between them.
+    """A sparse MoE block: a top-k router (``gate``), routed experts (``experts``), optional shared
+    experts, and the dispatcher that moves tokens between them.
 
-    The child names ``gate`` and ``experts`` match the Hugging Face block's, and their parameters
-    are the block's own ``Parameter`` objects, so state-dict keys, shapes and values are unchanged.
+    The children carry the Hugging Face block's names (``child_names`` maps this layer's roles
+    ``"gate"``, ``"shared_experts"`` and ``"shared_experts_gate"`` to them, e.g. GPT-OSS's router is
+    ``router``, Qwen2-MoE's shared expert ``shared_expert``; ``layer.gate`` always reaches the
+    router), and their parameters are the block's own ``Parameter`` objects, so state-dict keys,
+    shapes and values are unchanged.
+
+    Shared experts are ordinary dense modules applied to every token and added to the routed
+    output, scaled by ``sigmoid(shared_experts_gate(x))`` when there is a gate (Qwen2-MoE); they are
+    replicated under expert parallelism and FSDP2-sharded with the decoder layer, like dense
+    weights. They run right after the dispatch, so an asynchronous dispatch overlaps them.
 
     After each forward the layer holds, for logging and balancing:
 
@@ -52,22 +64,36 @@ class MoELayer(nn.Module):
         jitter_noise: multiplicative input jitter in training (Mixtral's ``router_jitter_noise``):
             ``x *= U(1 - j, 1 + j)``, applied to what the router and the experts see.
         layer_index: position among the model's MoE layers; separates the layers' random streams.
+        shared_experts: the dense shared expert(s), ``[..., H] -> [..., H]``, or ``None``.
+        shared_experts_gate: ``[..., H] -> [..., 1]`` logits of the shared experts' sigmoid gate, or ``None``.
+        child_names: Hugging Face names of the children, by role (defaults: the role names).
     """
+
+    gate: TopKRouter  # registered under child_names["gate"]; see __getattr__
 
     def __init__(
         self,
         gate: TopKRouter,
-        experts: GroupedExperts,
+        experts: GroupedExperts | InterleavedGLUExperts,
         config: MoEConfig,
         *,
         jitter_noise: float = 0.0,
         layer_index: int = 0,
+        shared_experts: nn.Module | None = None,
+        shared_experts_gate: nn.Module | None = None,
+        child_names: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         if gate.num_experts != experts.num_experts:
             raise ValueError(f"the gate routes to {gate.num_experts} experts but experts holds {experts.num_experts}.")
-        self.gate = gate
+        if shared_experts_gate is not None and shared_experts is None:
+            raise ValueError("MoELayer(shared_experts_gate=...) needs shared_experts: the gate scales their output.")
+        self.child_names = {**_ROLES, **(child_names or {})}
+        self.add_module(self.child_names["gate"], gate)
         self.experts = experts
+        for role, module in (("shared_experts", shared_experts), ("shared_experts_gate", shared_experts_gate)):
+            if module is not None:
+                self.add_module(self.child_names[role], module)
         self.config = config
         self.jitter_noise = float(jitter_noise)
         self.layer_index = layer_index
@@ -80,13 +106,20 @@ class MoELayer(nn.Module):
         self.aux_loss = torch.zeros(())
         self.z_loss = torch.zeros(())
         self.tokens_per_expert = torch.zeros(gate.num_experts, dtype=torch.int64)
-        self.router_entropy = torch.zeros(())
         # (token, expert) pairs dropped by the capacity limit in the latest forward (0: dropless).
         self.tokens_dropped = torch.zeros((), dtype=torch.int64)
         # With check_finite, ``nonfinite`` is a 0-dim bool set when the router logits or the
         # layer output of the latest forward held a NaN or an infinity.
         self.check_finite = False
         self.nonfinite = torch.zeros((), dtype=torch.bool)
+        self.router_entropy = torch.zeros(())
+
+    def __getattr__(self, name: str) -> Any:
+        # Roles resolve to the Hugging Face child names (``layer.gate`` is GPT-OSS's ``router``).
+        names = self.__dict__.get("child_names")
+        if names is not None and name in names:
+            name = names[name]
+        return super().__getattr__(name)
 
     @property
     def num_experts(self) -> int:
@@ -116,8 +149,11 @@ class MoELayer(nn.Module):
             dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK)
         if "tokens_dropped" in dispatched.state:
             self.tokens_dropped = dispatched.state["tokens_dropped"]
+        shared_TH = self._shared(x_TH)
         y_MH = self.experts(dispatched.x_MH, dispatched.counts_L)
         out_TH = self.dispatcher.combine(y_MH, routing.weights_TK, dispatched)
+        if shared_TH is not None:
+            out_TH = out_TH + shared_TH
 
         if self.check_finite:
             # A device-side flag, read by the caller once per step (no host sync here).
@@ -152,6 +188,17 @@ class MoELayer(nn.Module):
         aux_weight = self.config.moe_aux_loss_coeff * self.loss_scale if self.config.aux_loss_active else 0.0
         z_weight = self.config.moe_z_loss_coeff * self.loss_scale if self.config.z_loss_active else 0.0
         return attach_losses(out_TH, [aux, zl], [aux_weight, z_weight])
+
+    def _shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output ``[T, H]`` (gated if there is a gate), or ``None``."""
+        shared = self._modules.get(self.child_names["shared_experts"])
+        if shared is None:
+            return None
+        y_TH = shared(x_TH)
+        gate = self._modules.get(self.child_names["shared_experts_gate"])
+        if gate is not None:
+            y_TH = torch.sigmoid(gate(x_TH)) * y_TH
+        return y_TH
 
     def _generator(self, draw_id: int, device: torch.device, *, shared: bool) -> torch.Generator:
         seed = self.config.random_seed + (0 if shared else self.ep_rank)

@@ -1,28 +1,45 @@
 """Top-k router: logits -> expert ids and combine weights, with the four balancing modes.
 
-Legend: T tokens, H hidden size, E experts, K experts per token.
+Legend: T tokens, H hidden size, E experts, K experts per token, G expert groups.
+
+Scoring (fixed by the model family, see ``lightning_ep.models``):
+
+- ``"softmax"``: scores are the softmax over the experts, the combine weights are the chosen
+  scores, renormalised to sum to one if ``normalize_weights`` (Mixtral, Qwen-MoE, OLMoE).
+- ``"sigmoid"``: scores are ``sigmoid(logits)``; an optional ``e_score_correction_bias`` is added
+  to them for *selection only*; selection may be group-limited (the ``topk_group`` best of
+  ``n_group`` groups, a group scored by the sum of its two best scores); the weights are the
+  unbiased chosen scores, renormalised if ``normalize_weights``, times ``scaling_factor``
+  (DeepSeek-V3, GLM-4-MoE).
+- ``"topk_softmax"``: top-k of the logits (which may carry a ``bias``), then the softmax over the
+  ``K`` chosen logits (GPT-OSS).
 
 Balancing modes (``MoEConfig.moe_load_balancing``):
 
-- ``"none"`` / ``"aux_loss"``: softmax over the experts, top-k, top-k weights renormalised to sum
-  to one: exactly Mixtral's ``MixtralTopKRouter``. ``"aux_loss"`` additionally yields the
+- ``"none"`` / ``"aux_loss"``: top-k of the scores, exactly the Hugging Face router (Mixtral's
+  ``MixtralTopKRouter`` for softmax scoring). ``"aux_loss"`` additionally yields the
   load-balancing loss (the layer attaches it to the gradients).
 - ``"sinkhorn"``: in training, experts are chosen by top-k of the Sinkhorn-normalised scores (a
   fixed number of iterations towards a token x expert matrix whose rows sum to 1 and whose
   columns sum to ``T / E``), which spreads tokens evenly without any loss term; the combine
-  weights still come from the softmax of the raw logits. In eval it routes like ``"none"``.
+  weights still come from the scores of the raw logits, and a score-correction bias is not used
+  for this selection. In eval it routes like ``"none"``.
 - ``"balanced"``: auxiliary-loss-free balancing (DeepSeek-V3). A per-expert bias ``b`` is added to
-  the probabilities for *selection only*; combine weights come from the unbiased softmax. The
-  layer counts the tokens each expert received during training forwards (not during activation
-  recomputation, so checkpointing and gradient accumulation do not double count), and
-  ``update_bias`` moves ``b_e`` by ``rate * sign(mean_load - load_e)`` once per optimizer step.
-  The bias is used in training and in eval: it is part of the trained model.
+  the scores for *selection only*; combine weights come from the unbiased scores. The bias is the
+  model's own ``e_score_correction_bias`` where it has one (DeepSeek-V3, GLM-4-MoE: same tensor,
+  same state-dict key), else this library's ``expert_bias`` buffer. The layer counts the tokens
+  each expert received during training forwards (not during activation recomputation, so
+  checkpointing and gradient accumulation do not double count), and ``update_bias`` moves ``b_e``
+  by ``rate * sign(mean_load - load_e)`` once per optimizer step. The bias is used in training and
+  in eval: it is part of the trained model. In the other modes a model's own correction bias is
+  used for selection as the model does, and never updated.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +47,20 @@ from torch import nn
 
 from lightning_ep.moe.config import LoadBalancing
 
+Scoring = Literal["softmax", "sigmoid", "topk_softmax"]
+SCORINGS: tuple[str, ...] = get_args(Scoring)
+
 
 @dataclass
 class Routing:
     """What the router decided for a batch of tokens.
 
     Attributes:
-        logits_TE: raw router logits in the router dtype (fp32 or fp64).
-        probs_TE: softmax of ``logits_TE``.
+        logits_TE: raw router logits in the router dtype (fp32 or fp64), router bias included.
+        probs_TE: a distribution over the experts per token, what the load-balancing loss and the
+            router entropy read: the softmax of ``logits_TE`` (``"softmax"``, ``"topk_softmax"``),
+            or the sigmoid scores divided by their sum (``"sigmoid"``, as DeepSeek-V3's
+            sequence-wise balance loss).
         expert_ids_TK: chosen global expert ids, int64.
         weights_TK: combine weights in the router dtype.
     """
@@ -70,21 +93,48 @@ def sinkhorn_log(logits_TE: torch.Tensor, iterations: int) -> torch.Tensor:
     return logits_TE + log_u_T[:, None] + log_v_E[None, :]
 
 
+def group_limited(selection_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Mask to ``-inf`` every expert outside the ``topk_group`` best of ``n_group`` equal groups.
+
+    A group's score is the sum of its two best selection scores (its best one for groups of one
+    expert), as in DeepSeek-V3's ``noaux_tc`` routing.
+
+    Args:
+        selection_TE: ``[T, E]`` selection scores, ``E`` divisible by ``n_group``.
+    Returns:
+        ``[T, E]``: ``selection_TE`` where the expert's group is kept, ``-inf`` elsewhere.
+    """
+    num_tokens, num_experts = selection_TE.shape
+    grouped_TGX = selection_TE.view(num_tokens, n_group, num_experts // n_group)
+    group_scores_TG = grouped_TGX.topk(min(2, grouped_TGX.shape[-1]), dim=-1).values.sum(dim=-1)
+    kept_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
+    kept_TG.scatter_(1, group_scores_TG.topk(topk_group, dim=-1).indices, True)
+    return grouped_TGX.masked_fill(~kept_TG[:, :, None], float("-inf")).view(num_tokens, num_experts)
+
+
 class TopKRouter(nn.Module):
-    """Linear gate + top-k selection. Owns the gate ``weight [E, H]`` (and ``expert_bias [E]`` in
-    ``"balanced"`` mode); the parameter is adopted from the Hugging Face router so state-dict keys
-    and values are unchanged.
+    """Linear gate + top-k selection. Owns the gate ``weight [E, H]``, the optional logit ``bias
+    [E]`` and ``e_score_correction_bias [E]`` (a buffer), all adopted from the Hugging Face router
+    so that state-dict keys and values are unchanged, and in ``"balanced"`` mode without a
+    correction bias, this library's ``expert_bias [E]`` buffer.
 
     Args:
         weight: the gate weight ``[E, H]``; the very same ``Parameter`` is kept.
         top_k: experts per token ``K``.
         mode: balancing mode.
-        normalize_weights: renormalise the top-k weights to sum to one (Mixtral always does).
-        router_dtype: fp32 or fp64; logits, softmax and Sinkhorn run in it.
+        normalize_weights: renormalise the top-k weights to sum to one (Mixtral always does;
+            ``"topk_softmax"`` weights sum to one by construction).
+        router_dtype: fp32 or fp64; logits, scores and Sinkhorn run in it.
         sinkhorn_iterations: iterations of ``sinkhorn_log``.
+        scoring: ``"softmax"``, ``"sigmoid"`` or ``"topk_softmax"`` (see the module docstring).
+        bias: the gate's logit bias ``[E]`` (GPT-OSS), kept as the parameter ``bias``.
+        e_score_correction_bias: a selection-only bias ``[E]`` (DeepSeek-V3), kept as the buffer
+            of that name (the same tensor object); in ``"balanced"`` mode it is the bias updated.
+        n_group: number of expert groups for group-limited selection (1: no grouping).
+        topk_group: groups kept per token.
+        scaling_factor: multiplies the combine weights (DeepSeek's ``routed_scaling_factor``).
     """
 
-    expert_bias: torch.Tensor
     pending_load: torch.Tensor
 
     def __init__(
@@ -96,21 +146,48 @@ class TopKRouter(nn.Module):
         normalize_weights: bool = True,
         router_dtype: torch.dtype = torch.float32,
         sinkhorn_iterations: int = 30,
+        scoring: Scoring = "softmax",
+        bias: nn.Parameter | None = None,
+        e_score_correction_bias: torch.Tensor | None = None,
+        n_group: int = 1,
+        topk_group: int = 1,
+        scaling_factor: float = 1.0,
     ) -> None:
         super().__init__()
         num_experts = weight.shape[0]
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts}).")
+        if scoring not in SCORINGS:
+            raise ValueError(f"TopKRouter(scoring={scoring!r}) is not one of {list(SCORINGS)}.")
+        for name, vector in (("bias", bias), ("e_score_correction_bias", e_score_correction_bias)):
+            if vector is not None and tuple(vector.shape) != (num_experts,):
+                raise ValueError(
+                    f"TopKRouter({name}=...) has shape {list(vector.shape)}; it needs one value per expert: "
+                    f"[{num_experts}]."
+                )
+        _check_groups(num_experts, top_k, n_group, topk_group)
         self.weight = weight
+        self.bias = bias
         self.top_k = top_k
         self.num_experts = num_experts
         self.mode = mode
         self.normalize_weights = normalize_weights
         self.router_dtype = router_dtype
         self.sinkhorn_iterations = sinkhorn_iterations
-        if mode == "balanced":
+        self.scoring = scoring
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.scaling_factor = float(scaling_factor)
+        # Name of the selection-only bias buffer, if any (see ``selection_bias``).
+        self.bias_name: str | None = None
+        if e_score_correction_bias is not None:
+            self.register_buffer("e_score_correction_bias", e_score_correction_bias)
+            self.bias_name = "e_score_correction_bias"
+        elif mode == "balanced":
             # Persistent: the bias is trained state and must survive checkpoints.
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=weight.device))
+            self.bias_name = "expert_bias"
+        if mode == "balanced":
             # Not persistent: tokens counted since the last ``update_bias``.
             self.register_buffer(
                 "pending_load",
@@ -118,40 +195,65 @@ class TopKRouter(nn.Module):
                 persistent=False,
             )
 
+    @property
+    def selection_bias(self) -> torch.Tensor | None:
+        """The selection-only bias ``[E]``: ``e_score_correction_bias``, ``expert_bias`` or ``None``."""
+        return None if self.bias_name is None else getattr(self, self.bias_name)
+
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # Module.to(dtype) (e.g. Lightning's "bf16-true") must not round the balancing state:
         # token counts and bias steps of 1e-3 need fp32. Devices still follow the module.
-        if self.mode != "balanced":
+        if self.mode != "balanced" or self.bias_name is None:
             return super()._apply(fn, recurse)
-        bias, load = self.expert_bias, self.pending_load
+        name = self.bias_name
+        bias, load = getattr(self, name), self.pending_load
         super()._apply(fn, recurse)
         if bias.is_meta:  # to_empty(): nothing to keep; fp32 storage on the new device
-            self.expert_bias = torch.empty_like(bias, device=self.expert_bias.device)
+            setattr(self, name, torch.empty_like(bias, dtype=torch.float32, device=getattr(self, name).device))
             self.pending_load = torch.empty_like(load, device=self.pending_load.device)
         else:
-            self.expert_bias = bias.to(device=self.expert_bias.device)
+            setattr(self, name, bias.to(dtype=torch.float32, device=getattr(self, name).device))
             self.pending_load = load.to(device=self.pending_load.device)
         return self
 
     def forward(self, x_TH: torch.Tensor) -> Routing:
         """Route ``x_TH`` (any float dtype); everything inside runs in the router dtype."""
-        logits_TE = F.linear(x_TH.to(self.router_dtype), self.weight.to(self.router_dtype))
-        probs_TE = torch.softmax(logits_TE, dim=-1)
-        if self.mode == "sinkhorn" and self.training:
-            with torch.no_grad():
-                selection_TE = sinkhorn_log(logits_TE.detach(), self.sinkhorn_iterations)
-            expert_ids_TK = torch.topk(selection_TE, self.top_k, dim=-1).indices
-            weights_TK = probs_TE.gather(1, expert_ids_TK)
-        elif self.mode == "balanced":
-            with torch.no_grad():
-                selection_TE = probs_TE.detach() + self.expert_bias.to(probs_TE.dtype)
-            expert_ids_TK = torch.topk(selection_TE, self.top_k, dim=-1).indices
-            weights_TK = probs_TE.gather(1, expert_ids_TK)
+        dtype = self.router_dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        logits_TE = F.linear(x_TH.to(dtype), self.weight.to(dtype), bias)
+        # scores_TE: what selection ranks and the combine weights are taken from.
+        if self.scoring == "sigmoid":
+            scores_TE = torch.sigmoid(logits_TE)
+            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
         else:
-            weights_TK, expert_ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
-        if self.normalize_weights:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+            probs_TE = torch.softmax(logits_TE, dim=-1)
+            scores_TE = logits_TE if self.scoring == "topk_softmax" else probs_TE
+        with torch.no_grad():
+            expert_ids_TK = torch.topk(self._selection(logits_TE, scores_TE), self.top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(1, expert_ids_TK)
+        if self.scoring == "topk_softmax":
+            weights_TK = torch.softmax(weights_TK, dim=-1)
+        elif self.normalize_weights:
+            # The floor only guards all-underflowed sigmoid scores; it never binds for softmax.
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        if self.scaling_factor != 1.0:
+            weights_TK = weights_TK * self.scaling_factor
         return Routing(logits_TE, probs_TE, expert_ids_TK, weights_TK)
+
+    def _selection(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+        """``[T, E]`` scores whose top-k are the chosen experts (no gradient flows through them)."""
+        if self.mode == "sinkhorn" and self.training:
+            selection_TE = sinkhorn_log(logits_TE.detach(), self.sinkhorn_iterations)
+            if self.n_group > 1:  # groups are scored by sums of scores, not of log-scores
+                selection_TE = selection_TE.exp()
+        else:
+            selection_TE = scores_TE.detach()
+            bias = self.selection_bias
+            if bias is not None:
+                selection_TE = selection_TE + bias.to(selection_TE.dtype)
+        if self.n_group > 1:
+            selection_TE = group_limited(selection_TE, self.n_group, self.topk_group)
+        return selection_TE
 
     @torch.no_grad()
     def record_load(self, tokens_per_expert_E: torch.Tensor) -> None:
@@ -167,12 +269,33 @@ class TopKRouter(nn.Module):
             rate: step size; each bias moves by ``+rate`` (under-loaded) or ``-rate`` (over-loaded).
             load_E: counts to use instead of the pending load (e.g. summed over ranks by the caller).
         """
-        if self.mode != "balanced":
+        bias = self.selection_bias
+        if self.mode != "balanced" or bias is None:
             return
         load = self.pending_load if load_E is None else load_E.to(self.pending_load)
         if load.sum() > 0:
-            self.expert_bias += rate * torch.sign(load.mean() - load)
+            bias += rate * torch.sign(load.mean() - load).to(bias.dtype)
         self.pending_load.zero_()
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, top_k={self.top_k}, mode={self.mode!r}, dtype={self.router_dtype}"
+        extra = f", scoring={self.scoring!r}" if self.scoring != "softmax" else ""
+        if self.n_group > 1:
+            extra += f", n_group={self.n_group}, topk_group={self.topk_group}"
+        if self.scaling_factor != 1.0:
+            extra += f", scaling_factor={self.scaling_factor}"
+        return f"experts={self.num_experts}, top_k={self.top_k}, mode={self.mode!r}, dtype={self.router_dtype}{extra}"
+
+
+def _check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    if n_group < 1 or num_experts % n_group:
+        valid = [g for g in range(1, num_experts + 1) if num_experts % g == 0]
+        raise ValueError(
+            f"TopKRouter(n_group={n_group}) must divide the number of experts ({num_experts}); choose one of {valid}."
+        )
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"TopKRouter(topk_group={topk_group}) must be between 1 and n_group={n_group}.")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(
+            f"TopKRouter(top_k={top_k}) exceeds the {topk_group * (num_experts // n_group)} experts of the "
+            f"topk_group={topk_group} groups kept (of {num_experts // n_group} experts each); raise topk_group."
+        )

@@ -11,11 +11,23 @@ from lightning_ep.moe.dispatchers import make_dispatcher
 from lightning_ep.moe.layer import MoELayer
 
 
+def expert_parameters(layer: MoELayer) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every parameter of ``layer.experts`` (its own, not its children's)
+    whose dim 0 is the expert count: weights and per-expert biases alike."""
+    num_experts = layer.num_experts
+    return [
+        (name, param)
+        for name, param in layer.experts.named_parameters(recurse=False)
+        if param.ndim >= 1 and param.shape[0] == num_experts
+    ]
+
+
 def parallelize_moe_layers(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Shard every ``MoELayer``'s expert weights on ``mesh["ep"]`` and wire its dispatcher.
 
-    Each expert weight becomes a DTensor of the same global shape ``[E, ...]``, placed
-    ``Shard(0)`` on the ``ep`` axis: rank ``r`` of the axis keeps experts ``r*L .. r*L+L-1``.
+    Every parameter of the experts module whose dim 0 is the expert count (weights and per-expert
+    biases, see ``expert_parameters``) becomes a DTensor of the same global shape ``[E, ...]``,
+    placed ``Shard(0)`` on the ``ep`` axis: rank ``r`` of the axis keeps experts ``r*L .. r*L+L-1``.
     Works on meta tensors (nothing is allocated). Idempotent.
 
     Args:
@@ -37,8 +49,7 @@ def parallelize_moe_layers(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
                 f"(layer {layer.layer_index}); choose a degree in {valid}."
             )
         local = num_experts // degree
-        for name in ("gate_up_proj", "down_proj"):
-            param = getattr(layer.experts, name)
+        for name, param in expert_parameters(layer):
             if isinstance(param, DTensor):
                 continue
             shard = param.detach()[ep_rank * local : (ep_rank + 1) * local].clone()

@@ -92,7 +92,11 @@ def test_degree_not_dividing_world_size(single_process) -> None:
 def test_model_without_moe_block(single_process) -> None:
     module = Module(_llama)
     with pytest.raises(
-        ValueError, match=r"model_type='llama' .* is not a supported MoE family; supported: \['mixtral'"
+        ValueError,
+        match=re.escape(
+            "is not a supported MoE family; supported: "
+            "['deepseek_v3', 'glm4_moe', 'gpt_oss', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe']."
+        ),
     ):
         _fit(module, ExpertParallelStrategy(1, process_group_backend="gloo"))
     assert module.steps == 0

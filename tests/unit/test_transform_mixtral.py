@@ -178,7 +178,8 @@ def test_unsupported_family_lists_supported():
         )
     )
     expected = (
-        "transform(model): model_type='llama' (LlamaForCausalLM) is not a supported MoE family; supported: ['mixtral']."
+        "transform(model): model_type='llama' (LlamaForCausalLM) is not a supported MoE family; supported: "
+        "['deepseek_v3', 'glm4_moe', 'gpt_oss', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe']."
     )
     with pytest.raises(ValueError, match=re.escape(expected)):
         lightning_ep.transform(llama, MoEConfig())
@@ -197,7 +198,8 @@ def test_mixtral_without_moe_blocks_is_refused():
         layer.mlp = nn.Identity()
     expected = (
         "transform(model): found no MixtralSparseMoeBlock in MixtralForCausalLM; "
-        "supported families: ['mixtral']. Is every layer dense?"
+        "supported families: ['deepseek_v3', 'glm4_moe', 'gpt_oss', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe']. "
+        "Is every layer dense?"
     )
     with pytest.raises(ValueError, match=re.escape(expected)):
         lightning_ep.transform(model, MoEConfig())

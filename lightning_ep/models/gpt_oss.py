@@ -1,0 +1,43 @@
+"""GPT-OSS (``GptOssMLP``): the router (child ``router``, with a logit ``bias``) takes the top-k of
+its logits, then the softmax over those ``K``; experts in the transposed, interleaved layout with
+biases and the clamped SwiGLU (``InterleavedGLUExperts``). Checkpoints store the fused tensors
+under their in-memory names, so there are no on-disk key fields.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_ep.models.registry import MoEFamily, register
+from lightning_ep.moe.layer import MoELayer
+
+
+class GptOssMoELayer(MoELayer):
+    """``MoELayer`` returning a pair, as ``GptOssDecoderLayer`` unpacks ``hidden, _ = self.mlp(hidden)``.
+
+    The second item, Hugging Face's top-k router scores, is discarded by every caller in
+    transformers; it is ``None`` here.
+    """
+
+    def forward(self, hidden_BSH: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return super().forward(hidden_BSH), None
+
+
+GPT_OSS = register(
+    MoEFamily(
+        name="gpt_oss",
+        model_types=("gpt_oss",),
+        block_classes=("GptOssMLP",),
+        router_weight="router.weight",
+        router_bias="router.bias",
+        scoring="topk_softmax",
+        top_k="num_experts_per_tok",
+        normalize_weights=False,
+        expert_layout="interleaved",
+        gate_up_proj="experts.gate_up_proj",
+        down_proj="experts.down_proj",
+        swiglu_alpha="experts.alpha",
+        swiglu_limit="experts.limit",
+        layer_class=GptOssMoELayer,
+    )
+)

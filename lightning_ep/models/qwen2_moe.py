@@ -1,0 +1,31 @@
+"""Qwen2-MoE (``Qwen2MoeSparseMoeBlock``): softmax -> top-k -> renormalise if ``norm_topk_prob``,
+fused SwiGLU experts ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, and one dense
+``shared_expert`` on every token, scaled by ``sigmoid(shared_expert_gate(x))``.
+
+Dense layers (``mlp_only_layers``, or layers off the ``decoder_sparse_step`` stride) are
+``Qwen2MoeMLP`` modules and stay as they are. On disk (transformers' ``qwen2_moe`` conversion):
+``mlp.experts.E.{gate_proj,up_proj,down_proj}.weight``.
+"""
+
+from lightning_ep.models.registry import MoEFamily, register
+
+# The per-expert on-disk keys of every family that transformers converts like qwen2_moe.
+QWEN2_MOE_DISK_GATE_UP = ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight")
+QWEN2_MOE_DISK_DOWN = ("experts.{e}.down_proj.weight",)
+
+QWEN2_MOE = register(
+    MoEFamily(
+        name="qwen2_moe",
+        model_types=("qwen2_moe",),
+        block_classes=("Qwen2MoeSparseMoeBlock",),
+        router_weight="gate.weight",
+        scoring="softmax",
+        top_k="num_experts_per_tok",
+        normalize_weights="norm_topk_prob",
+        activation="hidden_act",
+        shared_experts="shared_expert",
+        shared_experts_gate="shared_expert_gate",
+        disk_gate_up_proj=QWEN2_MOE_DISK_GATE_UP,
+        disk_down_proj=QWEN2_MOE_DISK_DOWN,
+    )
+)

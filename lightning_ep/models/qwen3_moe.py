@@ -1,0 +1,22 @@
+"""Qwen3-MoE (``Qwen3MoeSparseMoeBlock``): softmax -> top-k -> renormalise if ``norm_topk_prob``,
+fused SwiGLU experts, no shared expert. Dense layers (``mlp_only_layers``, ``decoder_sparse_step``)
+are ``Qwen3MoeMLP`` and stay. On disk: ``mlp.experts.E.{gate_proj,up_proj,down_proj}.weight``.
+"""
+
+from lightning_ep.models.qwen2_moe import QWEN2_MOE_DISK_DOWN, QWEN2_MOE_DISK_GATE_UP
+from lightning_ep.models.registry import MoEFamily, register
+
+QWEN3_MOE = register(
+    MoEFamily(
+        name="qwen3_moe",
+        model_types=("qwen3_moe",),
+        block_classes=("Qwen3MoeSparseMoeBlock",),
+        router_weight="gate.weight",
+        scoring="softmax",
+        top_k="num_experts_per_tok",
+        normalize_weights="norm_topk_prob",
+        activation="hidden_act",
+        disk_gate_up_proj=QWEN2_MOE_DISK_GATE_UP,
+        disk_down_proj=QWEN2_MOE_DISK_DOWN,
+    )
+)

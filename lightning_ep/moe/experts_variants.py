@@ -1,0 +1,180 @@
+"""Routed experts in layouts other than ``GroupedExperts``'s: GPT-OSS's clamped SwiGLU with biases.
+
+Legend: N routed rows (sorted by expert), H hidden size, I expert width, F = 2I, L experts held here
+(all experts on one process, ``E / degree`` under expert parallelism).
+
+GPT-OSS stores its experts transposed with respect to the default layout and interleaves gate and
+up columns: ``gate_up_proj [E, H, 2I]`` (column ``2j`` is gate unit ``j``, column ``2j + 1`` up unit
+``j``), ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]`` and ``down_proj_bias [E, H]``. Expert
+``e`` computes, for a row ``x``::
+
+    h = x @ gate_up_proj[e] + gate_up_proj_bias[e]
+    gate, up = min(h[0::2], limit), clamp(h[1::2], -limit, limit)
+    y = ((up + 1) * gate * sigmoid(alpha * gate)) @ down_proj[e] + down_proj_bias[e]
+
+The module follows ``GroupedExperts``'s interface: ``forward(x_NH, counts_L)``, ``num_experts``,
+``grad_scale``, and DTensor weights multiplied through their local shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_ep.moe.experts import grouped_mm_supported, local_tensor
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; multiplies the gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad * ctx.scale, None
+
+
+class InterleavedGLUExperts(nn.Module):
+    """GPT-OSS's routed experts. Owns ``gate_up_proj``, ``gate_up_proj_bias``, ``down_proj`` and
+    ``down_proj_bias``: the very same ``Parameter`` objects, under the same names, as the Hugging
+    Face ``GptOssExperts`` module it replaces.
+
+    Args:
+        gate_up_proj: ``[E, H, 2I]``, gate and up columns interleaved.
+        gate_up_proj_bias: ``[E, 2I]``, interleaved alike.
+        down_proj: ``[E, I, H]``.
+        down_proj_bias: ``[E, H]``.
+        alpha: the sigmoid's slope in the gate (``config.swiglu_alpha``, 1.702).
+        limit: the clamp of gate (from above) and up (both sides) (``config.swiglu_limit``, 7.0).
+        use_grouped_mm: as in ``GroupedExperts``: ``None`` picks ``grouped_mm`` whenever it runs,
+            ``False`` forces the per-expert loop, ``True`` requires ``grouped_mm``.
+
+    ``grad_scale`` multiplies every weight's and bias's gradient (``1 / degree`` under expert
+    parallelism, see ``GroupedExperts``).
+    """
+
+    def __init__(
+        self,
+        gate_up_proj: nn.Parameter,
+        gate_up_proj_bias: nn.Parameter,
+        down_proj: nn.Parameter,
+        down_proj_bias: nn.Parameter,
+        *,
+        alpha: float,
+        limit: float,
+        use_grouped_mm: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if gate_up_proj.ndim != 3 or gate_up_proj.shape[2] % 2:
+            raise ValueError(
+                f"gate_up_proj must be [E, H, 2I] with interleaved gate/up columns, got {tuple(gate_up_proj.shape)}."
+            )
+        num_experts, hidden, two_i = gate_up_proj.shape
+        expected = {
+            "gate_up_proj_bias": (gate_up_proj_bias, (num_experts, two_i)),
+            "down_proj": (down_proj, (num_experts, two_i // 2, hidden)),
+            "down_proj_bias": (down_proj_bias, (num_experts, hidden)),
+        }
+        for name, (tensor, shape) in expected.items():
+            if tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"expert weights do not match: gate_up_proj {tuple(gate_up_proj.shape)} needs {name} "
+                    f"{shape}, got {tuple(tensor.shape)}."
+                )
+        self.gate_up_proj = gate_up_proj
+        self.gate_up_proj_bias = gate_up_proj_bias
+        self.down_proj = down_proj
+        self.down_proj_bias = down_proj_bias
+        self.alpha = float(alpha)
+        self.limit = float(limit)
+        self.use_grouped_mm = use_grouped_mm
+        self.grad_scale = 1.0
+
+    @property
+    def num_experts(self) -> int:
+        """Global number of experts (the first dim of the global weight shape)."""
+        return self.gate_up_proj.shape[0]
+
+    def glu(self, h_NF: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU on interleaved ``[..., 2I]`` pre-activations -> ``[..., I]``."""
+        gate = h_NF[..., 0::2].clamp(max=self.limit)
+        up = h_NF[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x_NH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        """Run each local expert on its contiguous block of rows.
+
+        Args:
+            x_NH: rows sorted by local expert.
+            counts_L: rows per local expert (int, on any device), summing to ``N``.
+        Returns:
+            ``[N, H]`` expert outputs, in the order of ``x_NH``.
+        """
+        w1_LHF = local_tensor(self.gate_up_proj)
+        b1_LF = local_tensor(self.gate_up_proj_bias)
+        w2_LIH = local_tensor(self.down_proj)
+        b2_LH = local_tensor(self.down_proj_bias)
+        if self.grad_scale != 1.0 and torch.is_grad_enabled():
+            scale = self.grad_scale
+            w1_LHF, b1_LF, w2_LIH, b2_LH = (_ScaleGrad.apply(t, scale) for t in (w1_LHF, b1_LF, w2_LIH, b2_LH))
+        if counts_L.shape[0] != w1_LHF.shape[0]:
+            raise RuntimeError(
+                f"got token counts for {counts_L.shape[0]} experts, but {w1_LHF.shape[0]} are held here."
+            )
+        grouped = grouped_mm_supported(x_NH, w1_LHF, w2_LIH)
+        if self.use_grouped_mm and not grouped:
+            raise RuntimeError(
+                f"use_grouped_mm=True but grouped_mm cannot run for dtype {x_NH.dtype} on {x_NH.device.type} "
+                f"with weights {tuple(w1_LHF.shape)}; use_grouped_mm=None falls back to a loop."
+            )
+        if grouped and self.use_grouped_mm is not False:
+            return self._grouped_forward(x_NH, counts_L, w1_LHF, b1_LF, w2_LIH, b2_LH)
+        return self._loop_forward(x_NH, counts_L, w1_LHF, b1_LF, w2_LIH, b2_LH)
+
+    def _grouped_forward(
+        self,
+        x_NH: torch.Tensor,
+        counts_L: torch.Tensor,
+        w1_LHF: torch.Tensor,
+        b1_LF: torch.Tensor,
+        w2_LIH: torch.Tensor,
+        b2_LH: torch.Tensor,
+    ) -> torch.Tensor:
+        assert _GROUPED_MM is not None
+        counts_L = counts_L.to(device=x_NH.device)
+        offsets_L = torch.cumsum(counts_L, dim=0).to(torch.int32)
+        # The expert of every row; output_size keeps it free of a host sync.
+        expert_N = torch.repeat_interleave(
+            torch.arange(counts_L.shape[0], device=x_NH.device), counts_L, output_size=x_NH.shape[0]
+        )
+        h_NF = _GROUPED_MM(x_NH, w1_LHF, offs=offsets_L) + b1_LF[expert_N]
+        a_NI = self.glu(h_NF).contiguous()
+        return _GROUPED_MM(a_NI, w2_LIH, offs=offsets_L) + b2_LH[expert_N]
+
+    def _loop_forward(
+        self,
+        x_NH: torch.Tensor,
+        counts_L: torch.Tensor,
+        w1_LHF: torch.Tensor,
+        b1_LF: torch.Tensor,
+        w2_LIH: torch.Tensor,
+        b2_LH: torch.Tensor,
+    ) -> torch.Tensor:
+        # One host read of the counts. Every expert runs, even on zero rows, so each weight slice is
+        # in the graph and gets a zero gradient rather than none.
+        outputs = []
+        for e, x_nH in enumerate(torch.split(x_NH, counts_L.tolist())):
+            a_nI = self.glu(x_nH @ w1_LHF[e] + b1_LF[e])
+            outputs.append(a_nI @ w2_LIH[e] + b2_LH[e])
+        return torch.cat(outputs, dim=0)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, alpha={self.alpha}, limit={self.limit}"
