@@ -96,6 +96,12 @@ class MoEConfig:
                 )
         if self.max_tokens_per_rank is not None:
             _check_int("max_tokens_per_rank", self.max_tokens_per_rank, minimum=1)
+            if self.capacity_factor is not None or not self.moe_all_to_all_dispatcher:
+                raise ValueError(
+                    f"MoEConfig.max_tokens_per_rank={self.max_tokens_per_rank} guards dropless all-to-all dispatch; "
+                    "with a capacity_factor the load is bounded already, and the all-gather dispatcher does not "
+                    "check it: drop one of them."
+                )
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "balance_update_rate"):
             _check_float(name, getattr(self, name))
 

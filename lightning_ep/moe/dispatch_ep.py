@@ -33,13 +33,15 @@ class AllToAllDispatcher:
     the weighted sum over the K choices on the token's own rank.
     """
 
-    def __init__(self, num_experts: int, group: dist.ProcessGroup) -> None:
+    def __init__(self, num_experts: int, group: dist.ProcessGroup, max_tokens_per_rank: int | None = None) -> None:
         self.group = group
         self.degree = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         if num_experts % self.degree:
             raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.degree}.")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.degree
+        self.max_tokens_per_rank = max_tokens_per_rank
 
     def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:
         D, L = self.degree, self.num_local_experts
@@ -47,12 +49,23 @@ class AllToAllDispatcher:
         inverse_N = inverse_permutation(order_N)
         x_NH = gather_rows(x_TH, order_N, expert_ids_TK.shape[1], inverse_N)
 
-        # recv_DL[s, l]: rows that rank s sends to my local expert l.
-        recv_DL = torch.empty_like(counts_E)
-        dist.all_to_all_single(recv_DL, counts_E, group=self.group)
-        recv_DL = recv_DL.view(D, L)
-        splits = torch.cat([counts_E.view(D, L).sum(1), recv_DL.sum(1)]).tolist()  # the one host sync
-        send_splits, recv_splits = splits[:D], splits[D:]
+        if self.max_tokens_per_rank is None:
+            # recv_DL[s, l]: rows that rank s sends to my local expert l.
+            recv_DL = torch.empty_like(counts_E)
+            dist.all_to_all_single(recv_DL, counts_E, group=self.group)
+            recv_DL = recv_DL.view(D, L)
+            splits = torch.cat([counts_E.view(D, L).sum(1), recv_DL.sum(1)]).tolist()  # the one host sync
+        else:
+            # With a budget every rank needs every rank's load, so that all of them stop together:
+            # gather the whole [D, E] count matrix instead (the same one host sync).
+            all_DE = torch.empty(D * self.num_experts, dtype=counts_E.dtype, device=counts_E.device)
+            dist.all_gather_into_tensor(all_DE, counts_E, group=self.group)
+            all_DE = all_DE.view(D, self.num_experts)
+            recv_DL = all_DE[:, self.rank * L : (self.rank + 1) * L]
+            load_D = all_DE.view(D, D, L).sum(dim=(0, 2))  # rows arriving at each rank
+            splits = torch.cat([counts_E.view(D, L).sum(1), recv_DL.sum(1), load_D]).tolist()
+            _check_budget(splits[2 * D :], self.max_tokens_per_rank)
+        send_splits, recv_splits = splits[:D], splits[D : 2 * D]
 
         x_recv_MH = all_to_all(x_NH, recv_splits, send_splits, self.group)
         # Received rows are ordered (source rank, local expert); regroup them by local expert.
@@ -77,6 +90,17 @@ class AllToAllDispatcher:
         y_recv_MH = permute_rows(y_MH, state["unregroup_M"], state["regroup_M"])
         y_NH = all_to_all(y_recv_MH, send_splits, recv_splits, self.group)
         return weighted_unsort(y_NH, state["inverse_N"], state["order_N"], weights_TK)
+
+
+def _check_budget(load_D: list[int], budget: int) -> None:
+    worst = max(range(len(load_D)), key=load_D.__getitem__)
+    if load_D[worst] > budget:
+        raise RuntimeError(
+            f"MoE routing sent {load_D[worst]} rows to the experts of expert-parallel rank {worst} in one layer, over "
+            f"MoEConfig.max_tokens_per_rank={budget} (loads per rank: {load_D}). Routing is this skewed early in "
+            "training or with a collapsed router: raise max_tokens_per_rank if memory allows, set a capacity_factor "
+            "to drop the excess, or use load balancing (aux_loss / sinkhorn)."
+        )
 
 
 class AllGatherDispatcher:

@@ -22,5 +22,5 @@ def make_dispatcher(config: MoEConfig, num_experts: int, group: dist.ProcessGrou
     from lightning_ep.moe.dispatch_ep import AllGatherDispatcher, AllToAllDispatcher
 
     if config.moe_all_to_all_dispatcher:
-        return AllToAllDispatcher(num_experts, group)  # type: ignore[arg-type]
+        return AllToAllDispatcher(num_experts, group, config.max_tokens_per_rank)  # type: ignore[arg-type]
     return AllGatherDispatcher(num_experts, group)  # type: ignore[arg-type]

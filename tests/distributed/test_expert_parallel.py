@@ -49,6 +49,7 @@ WORLD4 = {
         Case(degree=4, skew=True),
         Case(degree=2, replicate=2, clip=0.5),
         Case(degree=4, capacity=0.5, skew=True),
+        Case(degree=4, budget=1000, skew=True),
         Case(degree=2, replicate=2, capacity=1.0, policy="position"),
     ],
     "all_gather": [

@@ -69,6 +69,7 @@ class Case:
     rtol: float = RTOL
     capacity: float | None = None
     policy: str = "probs"
+    budget: int | None = None
 
     def config(self) -> MoEConfig:
         return MoEConfig(
@@ -79,6 +80,7 @@ class Case:
             moe_z_loss_coeff=0.001,
             capacity_factor=self.capacity,
             drop_policy=self.policy,  # type: ignore[arg-type]
+            max_tokens_per_rank=self.budget,
         )
 
 
