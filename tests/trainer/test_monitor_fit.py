@@ -17,7 +17,8 @@ import pytest
 import torch
 from PIL import Image
 
-from lightning_ep.callbacks import PLOT_SIZE_PX, STAT_NAMES
+from lightning_ep.callbacks import STAT_NAMES
+from lightning_ep.monitor_plots import PLOT_SIZE_PX
 
 WORKER = Path(__file__).with_name("monitor_fit_worker.py")
 LAYERS, E, K = 2, 8, 2
