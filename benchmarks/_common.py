@@ -264,7 +264,7 @@ def grouped_gemm_fwd_bwd_ms(
 ) -> float:
     """Forward + backward of the two expert GEMMs alone (``[M, H] x [L, H, 2I]`` then
     ``[M, I] x [L, I, H]``), with these rows per expert: ``18 * M * H * I`` FLOPs."""
-    from lightning_ep.moe.experts import _GROUPED_MM
+    from lightning_ep.moe.experts import GROUPED_MM
 
     L, M = len(counts_L), int(sum(counts_L))
     g = torch.Generator(device=device).manual_seed(1)
@@ -277,9 +277,9 @@ def grouped_gemm_fwd_bwd_ms(
     g2 = torch.randn(M, hidden, device=device, dtype=dtype, generator=g)
 
     def step() -> None:
-        if _GROUPED_MM is not None and device.type == "cuda":
-            h = _GROUPED_MM(x, w1.transpose(-2, -1), offs=offs)
-            y = _GROUPED_MM(a, w2.transpose(-2, -1), offs=offs)
+        if GROUPED_MM is not None and device.type == "cuda":
+            h = GROUPED_MM(x, w1.transpose(-2, -1), offs=offs)
+            y = GROUPED_MM(a, w2.transpose(-2, -1), offs=offs)
         else:  # a per-expert loop on the CPU smoke test
             h = torch.cat([xi @ w1[e].t() for e, xi in enumerate(torch.split(x, list(counts_L)))])
             y = torch.cat([ai @ w2[e].t() for e, ai in enumerate(torch.split(a, list(counts_L)))])

@@ -24,7 +24,7 @@ try:
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -32,6 +32,11 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     if DTensor is not None and isinstance(p, DTensor):
         return p.to_local()
     return p
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` in forward; its gradient multiplied by ``scale`` in backward."""
+    return _ScaleGrad.apply(x, scale)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -49,7 +54,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``grouped_mm`` runs for these operands: dtype and device supported, rows 16-byte aligned."""
-    if _GROUPED_MM is None:
+    if GROUPED_MM is None:
         return False
     if x.device.type == "cuda":
         dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
@@ -127,8 +132,8 @@ class GroupedExperts(nn.Module):
         w1_LFH = local_tensor(self.gate_up_proj)  # F = 2I
         w2_LHI = local_tensor(self.down_proj)
         if self.grad_scale != 1.0 and torch.is_grad_enabled():
-            w1_LFH = _ScaleGrad.apply(w1_LFH, self.grad_scale)
-            w2_LHI = _ScaleGrad.apply(w2_LHI, self.grad_scale)
+            w1_LFH = scale_grad(w1_LFH, self.grad_scale)
+            w2_LHI = scale_grad(w2_LHI, self.grad_scale)
         if counts_L.shape[0] != w1_LFH.shape[0]:
             raise RuntimeError(
                 f"got token counts for {counts_L.shape[0]} experts, but {w1_LFH.shape[0]} are held here."
@@ -151,11 +156,11 @@ def _grouped_forward(
     w2_LHI: torch.Tensor,
     act_fn: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    assert _GROUPED_MM is not None
+    assert GROUPED_MM is not None
     offsets_L = torch.cumsum(counts_L.to(device=x_NH.device), dim=0).to(torch.int32)
-    h_NF = _GROUPED_MM(x_NH, w1_LFH.transpose(-2, -1), offs=offsets_L)
+    h_NF = GROUPED_MM(x_NH, w1_LFH.transpose(-2, -1), offs=offsets_L)
     a_NI = swiglu(h_NF, act_fn)  # a fused kernel for SiLU on CUDA
-    return _GROUPED_MM(a_NI, w2_LHI.transpose(-2, -1), offs=offsets_L)
+    return GROUPED_MM(a_NI, w2_LHI.transpose(-2, -1), offs=offsets_L)
 
 
 def _loop_forward(

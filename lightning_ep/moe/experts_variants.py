@@ -18,28 +18,10 @@ The module follows ``GroupedExperts``'s interface: ``forward(x_NH, counts_L)``, 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lightning_ep.moe.experts import grouped_mm_supported, local_tensor
-
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity in forward; multiplies the gradient by ``scale`` in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return grad * ctx.scale, None
+from lightning_ep.moe.experts import GROUPED_MM, grouped_mm_supported, local_tensor, scale_grad
 
 
 class InterleavedGLUExperts(nn.Module):
@@ -124,7 +106,7 @@ class InterleavedGLUExperts(nn.Module):
         b2_LH = local_tensor(self.down_proj_bias)
         if self.grad_scale != 1.0 and torch.is_grad_enabled():
             scale = self.grad_scale
-            w1_LHF, b1_LF, w2_LIH, b2_LH = (_ScaleGrad.apply(t, scale) for t in (w1_LHF, b1_LF, w2_LIH, b2_LH))
+            w1_LHF, b1_LF, w2_LIH, b2_LH = (scale_grad(t, scale) for t in (w1_LHF, b1_LF, w2_LIH, b2_LH))
         if counts_L.shape[0] != w1_LHF.shape[0]:
             raise RuntimeError(
                 f"got token counts for {counts_L.shape[0]} experts, but {w1_LHF.shape[0]} are held here."
@@ -148,16 +130,16 @@ class InterleavedGLUExperts(nn.Module):
         w2_LIH: torch.Tensor,
         b2_LH: torch.Tensor,
     ) -> torch.Tensor:
-        assert _GROUPED_MM is not None
+        assert GROUPED_MM is not None
         counts_L = counts_L.to(device=x_NH.device)
         offsets_L = torch.cumsum(counts_L, dim=0).to(torch.int32)
         # The expert of every row; output_size keeps it free of a host sync.
         expert_N = torch.repeat_interleave(
             torch.arange(counts_L.shape[0], device=x_NH.device), counts_L, output_size=x_NH.shape[0]
         )
-        h_NF = _GROUPED_MM(x_NH, w1_LHF, offs=offsets_L) + b1_LF[expert_N]
+        h_NF = GROUPED_MM(x_NH, w1_LHF, offs=offsets_L) + b1_LF[expert_N]
         a_NI = self.glu(h_NF).contiguous()
-        return _GROUPED_MM(a_NI, w2_LIH, offs=offsets_L) + b2_LH[expert_N]
+        return GROUPED_MM(a_NI, w2_LIH, offs=offsets_L) + b2_LH[expert_N]
 
     def _loop_forward(
         self,
