@@ -16,7 +16,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
 - ``ep:a2a`` / ``ep:allgather``: ``lightning_ep.ExpertParallelStrategy(degree=W)`` with the
   all-to-all or all-gather dispatcher (degree 1 when run on one GPU). ``+prefetch`` appended to a
   row sets FSDP2 forward/backward prefetch of the next decoder layer explicitly, ``+zero2`` keeps
-  gathered parameters from forward to backward (``reshard_after_forward=False``); ``@reference``
+  gathered parameters from forward to backward (``reshard_after_forward=False``), ``+monitor`` adds
+  ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); ``@reference``
   (or another of ``_common.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
@@ -277,13 +278,19 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
     else:
         strategy = ModelParallelStrategy(data_parallel_size=world(), tensor_parallel_size=1)
     clock = _callback(args.warmup, args.steps, device, args.profile)
+    callbacks: list[Any] = [clock]
+    if option == "monitor":
+        # Worst case for the monitor's cost: its window (one all-reduce + one host read) every step.
+        from lightning_ep import MoEMonitor
+
+        callbacks.append(MoEMonitor(every_n_steps=1, plots=False))
     trainer = Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=world(),
         strategy=strategy,
         precision=args.precision,
         max_steps=args.warmup + args.steps + (1 if args.profile else 0),
-        callbacks=[clock],
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

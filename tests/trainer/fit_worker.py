@@ -66,15 +66,24 @@ class Tokens(Dataset):
 
 
 class Module(LightningModule):
-    def __init__(self, lr: float) -> None:
+    def __init__(self, lr: float, pretrained: str | None = None) -> None:
         super().__init__()
         self.lr = lr
+        self.pretrained = pretrained
         self.model: torch.nn.Module | None = None
         self.losses: list[float] = []
         self.poison_step = -1
 
     def configure_model(self) -> None:
-        if self.model is None:
+        if self.model is None and self.pretrained is not None:
+            from lightning_ep.models.pretrained import from_pretrained
+
+            # On the meta device; the strategy shards it and each rank reads its slices from the folder.
+            # The folder's config.json records dtype float32 (build_model's), so the model comes out fp32.
+            self.model = from_pretrained(self.pretrained)
+            dtypes = {p.dtype for p in self.model.parameters()}
+            assert dtypes == {torch.float32}, f"{self.pretrained} gives {dtypes}, the reference is fp32"
+        elif self.model is None:
             self.model = build_model()
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -154,7 +163,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
         enable_model_summary=False,
         use_distributed_sampler=True,
     )
-    module = Module(args.lr)
+    module = Module(args.lr, pretrained=args.pretrained)
     module.poison_step = args.poison_step
     if args.slow_save_from is not None:
         slow_down_saves_from({"trainer": trainer}, args.slow_save_from, 600.0)
@@ -220,6 +229,7 @@ def main() -> None:
     parser.add_argument("--save-to", default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--log-dir", default=None)
+    parser.add_argument("--pretrained", default=None, help="fine-tune from this save_pretrained folder")
     args = parser.parse_args()
     args.degree = args.degree if args.degree == "auto" else int(args.degree)
     EXPERTS = args.experts

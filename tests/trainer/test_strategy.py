@@ -69,6 +69,20 @@ def test_degree_2_matches_reference(runs: dict) -> None:
     assert_close(runs["d2"]["losses"], runs["ref"]["losses"])
 
 
+def test_finetune_from_hf_folder_matches_reference(runs: dict) -> None:
+    """``from_pretrained`` on the meta device, sharded loading in ``setup``: the same run as the reference."""
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from fit_worker import build_model
+    finally:
+        sys.path.remove(str(WORKER.parent))
+    tmp = runs["tmp"]
+    build_model().save_pretrained(tmp / "hf")  # seeded: the reference's initial weights
+    result = run(tmp, "pretrained", "--degree", "2", "--pretrained", str(tmp / "hf"))
+    assert result["degree"] == 2
+    assert_close(result["losses"], runs["ref"]["losses"])
+
+
 @pytest.mark.parametrize(
     ("args", "degree"),
     [
