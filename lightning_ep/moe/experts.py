@@ -52,6 +52,22 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def use_grouped(
+    x_NH: torch.Tensor, counts_L: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, requested: bool | None
+) -> bool:
+    """Whether an experts module runs ``grouped_mm`` (``requested``: its ``use_grouped_mm``); checks
+    that the counts match the local experts and that a forced ``grouped_mm`` can run."""
+    if counts_L.shape[0] != w1.shape[0]:
+        raise RuntimeError(f"got token counts for {counts_L.shape[0]} experts, but {w1.shape[0]} are held here.")
+    grouped = grouped_mm_supported(x_NH, w1, w2)
+    if requested and not grouped:
+        raise RuntimeError(
+            f"use_grouped_mm=True but grouped_mm cannot run for dtype {x_NH.dtype} on {x_NH.device.type} "
+            f"with weights {tuple(w1.shape)}; use_grouped_mm=None falls back to a loop."
+        )
+    return grouped and requested is not False
+
+
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``grouped_mm`` runs for these operands: dtype and device supported, rows 16-byte aligned."""
     if GROUPED_MM is None:
@@ -134,17 +150,7 @@ class GroupedExperts(nn.Module):
         if self.grad_scale != 1.0 and torch.is_grad_enabled():
             w1_LFH = scale_grad(w1_LFH, self.grad_scale)
             w2_LHI = scale_grad(w2_LHI, self.grad_scale)
-        if counts_L.shape[0] != w1_LFH.shape[0]:
-            raise RuntimeError(
-                f"got token counts for {counts_L.shape[0]} experts, but {w1_LFH.shape[0]} are held here."
-            )
-        grouped = grouped_mm_supported(x_NH, w1_LFH, w2_LHI)
-        if self.use_grouped_mm and not grouped:
-            raise RuntimeError(
-                f"use_grouped_mm=True but grouped_mm cannot run for dtype {x_NH.dtype} on {x_NH.device.type} "
-                f"with weights {tuple(w1_LFH.shape)}; use_grouped_mm=None falls back to a loop."
-            )
-        if grouped and self.use_grouped_mm is not False:
+        if use_grouped(x_NH, counts_L, w1_LFH, w2_LHI, self.use_grouped_mm):
             return _grouped_forward(x_NH, counts_L, w1_LFH, w2_LHI, self.act_fn)
         return _loop_forward(x_NH, counts_L, w1_LFH, w2_LHI, self.act_fn)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_ep.moe.experts import GROUPED_MM, grouped_mm_supported, local_tensor, scale_grad
+from lightning_ep.moe.experts import GROUPED_MM, local_tensor, scale_grad, use_grouped
 
 
 class InterleavedGLUExperts(nn.Module):
@@ -107,17 +107,7 @@ class InterleavedGLUExperts(nn.Module):
         if self.grad_scale != 1.0 and torch.is_grad_enabled():
             scale = self.grad_scale
             w1_LHF, b1_LF, w2_LIH, b2_LH = (scale_grad(t, scale) for t in (w1_LHF, b1_LF, w2_LIH, b2_LH))
-        if counts_L.shape[0] != w1_LHF.shape[0]:
-            raise RuntimeError(
-                f"got token counts for {counts_L.shape[0]} experts, but {w1_LHF.shape[0]} are held here."
-            )
-        grouped = grouped_mm_supported(x_NH, w1_LHF, w2_LIH)
-        if self.use_grouped_mm and not grouped:
-            raise RuntimeError(
-                f"use_grouped_mm=True but grouped_mm cannot run for dtype {x_NH.dtype} on {x_NH.device.type} "
-                f"with weights {tuple(w1_LHF.shape)}; use_grouped_mm=None falls back to a loop."
-            )
-        if grouped and self.use_grouped_mm is not False:
+        if use_grouped(x_NH, counts_L, w1_LHF, w2_LIH, self.use_grouped_mm):
             return self._grouped_forward(x_NH, counts_L, w1_LHF, b1_LF, w2_LIH, b2_LH)
         return self._loop_forward(x_NH, counts_L, w1_LHF, b1_LF, w2_LIH, b2_LH)
 
