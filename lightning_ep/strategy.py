@@ -64,7 +64,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     Args:
         degree: expert-parallel degree ``d`` (ranks that split the experts of each layer). ``"auto"``
             picks the largest divisor of the expert count that also divides the devices per node,
-            so the all-to-all stays on the node's fast links.
+            so the all-to-all stays on the node's fast links. With ``"auto"`` the mesh is built after
+            ``configure_model`` (the expert count is known only then), so ``self.device_mesh`` is not
+            available inside ``configure_model``; pass an int if the module needs it there.
         replicate_degree: HSDP replicate degree ``R``; the world is ``R * E_dp * d`` ranks.
         moe: routing, balancing and dispatch options (``MoEConfig``).
         activation_checkpointing: recompute each decoder layer in backward.
