@@ -10,6 +10,7 @@ weights are DTensors sharded on the expert dim; the local shard is what this mod
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,38 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         return grad * ctx.scale, None
+
+
+def with_grad_scale(
+    fn: Callable[..., torch.Tensor], x_NH: torch.Tensor, weights: list[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """``fn(x_NH, *weights)``, with every weight's gradient multiplied by ``scale`` and ``x_NH``'s not.
+
+    Backward is linear in the incoming gradient, so multiplying the output's gradient by ``scale``
+    and the input's by ``1 / scale`` scales exactly the weights' gradients. That touches ``2 N H``
+    elements instead of the weights' ``L H I``-sized gradients, and is chosen when it is fewer
+    elements and ``scale`` is a power of two (so both multiplications are exact in any float
+    format); otherwise each weight's gradient is multiplied.
+    """
+    if scale == 1.0 or not torch.is_grad_enabled():
+        return fn(x_NH, *weights)
+    exact = math.frexp(scale)[0] == 0.5  # a power of two
+    if exact and 2 * x_NH.numel() < sum(w.numel() for w in weights):
+        y = fn(scale_grad(x_NH, 1.0 / scale), *weights)
+        if y.requires_grad:
+            # A hook, not scale_grad: the output stays a fresh tensor, not a view (FSDP2 warns
+            # about views returned by a module it wraps).
+            y.register_hook(lambda grad: grad * scale)
+        return y
+    return fn(x_NH, *(scale_grad(w, scale) for w in weights))
+
+
+def compute_weights(weights: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """The local shards of ``weights``, cast (differentiably) to ``dtype`` unless it is ``None``."""
+    local = [local_tensor(w) for w in weights]
+    if dtype is None:
+        return local
+    return [w if w.dtype == dtype else w.to(dtype) for w in local]
 
 
 def use_grouped(
@@ -95,10 +128,14 @@ class GroupedExperts(nn.Module):
         use_grouped_mm: ``None`` picks ``grouped_mm`` whenever it runs for the operands, ``False``
             forces the per-expert loop, ``True`` requires ``grouped_mm`` (error if it cannot run).
 
-    ``grad_scale`` multiplies the weights' gradients. Under expert parallelism of degree ``d`` it is
-    ``1 / d``: tokens of all ``d`` ranks of the group reach an expert, and data parallelism over the
-    remaining ``W / d`` ranks averages by ``W / d`` only, so each expert gradient ends up divided
-    by the world size ``W``, exactly like a dense parameter's.
+    ``grad_scale`` multiplies the weights' gradients (see ``with_grad_scale``). Under expert
+    parallelism of degree ``d`` it is ``1 / d``: tokens of all ``d`` ranks of the group reach an
+    expert, and data parallelism over the remaining ``W / d`` ranks averages by ``W / d`` only, so
+    each expert gradient ends up divided by the world size ``W``, exactly like a dense parameter's.
+
+    ``compute_dtype``, when set, is the dtype the weights are cast to for the matmuls (their
+    gradients flow back in the parameters' dtype). ``shard_model`` sets it to FSDP2's
+    ``param_dtype`` when it leaves the experts out of FSDP2 (no expert-data-parallel ranks).
     """
 
     def __init__(
@@ -130,6 +167,7 @@ class GroupedExperts(nn.Module):
         self.act_fn = act_fn
         self.use_grouped_mm = use_grouped_mm
         self.grad_scale = 1.0
+        self.compute_dtype: torch.dtype | None = None
 
     @property
     def num_experts(self) -> int:
@@ -145,14 +183,11 @@ class GroupedExperts(nn.Module):
         Returns:
             ``[N, H]`` expert outputs, in the order of ``x_NH``.
         """
-        w1_LFH = local_tensor(self.gate_up_proj)  # F = 2I
-        w2_LHI = local_tensor(self.down_proj)
-        if self.grad_scale != 1.0 and torch.is_grad_enabled():
-            w1_LFH = scale_grad(w1_LFH, self.grad_scale)
-            w2_LHI = scale_grad(w2_LHI, self.grad_scale)
-        if use_grouped(x_NH, counts_L, w1_LFH, w2_LHI, self.use_grouped_mm):
-            return _grouped_forward(x_NH, counts_L, w1_LFH, w2_LHI, self.act_fn)
-        return _loop_forward(x_NH, counts_L, w1_LFH, w2_LHI, self.act_fn)
+        w1_LFH, w2_LHI = compute_weights([self.gate_up_proj, self.down_proj], self.compute_dtype)  # F = 2I
+        run = _grouped_forward if use_grouped(x_NH, counts_L, w1_LFH, w2_LHI, self.use_grouped_mm) else _loop_forward
+        return with_grad_scale(
+            lambda x, w1, w2: run(x, counts_L, w1, w2, self.act_fn), x_NH, [w1_LFH, w2_LHI], self.grad_scale
+        )
 
 
 def _grouped_forward(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_ep.moe.experts import GROUPED_MM, local_tensor, scale_grad, use_grouped
+from lightning_ep.moe.experts import GROUPED_MM, compute_weights, use_grouped, with_grad_scale
 
 
 class InterleavedGLUExperts(nn.Module):
@@ -40,7 +40,7 @@ class InterleavedGLUExperts(nn.Module):
             ``False`` forces the per-expert loop, ``True`` requires ``grouped_mm``.
 
     ``grad_scale`` multiplies every weight's and bias's gradient (``1 / degree`` under expert
-    parallelism, see ``GroupedExperts``).
+    parallelism) and ``compute_dtype`` casts them for the matmuls, as in ``GroupedExperts``.
     """
 
     def __init__(
@@ -79,6 +79,7 @@ class InterleavedGLUExperts(nn.Module):
         self.limit = float(limit)
         self.use_grouped_mm = use_grouped_mm
         self.grad_scale = 1.0
+        self.compute_dtype: torch.dtype | None = None
 
     @property
     def num_experts(self) -> int:
@@ -100,16 +101,12 @@ class InterleavedGLUExperts(nn.Module):
         Returns:
             ``[N, H]`` expert outputs, in the order of ``x_NH``.
         """
-        w1_LHF = local_tensor(self.gate_up_proj)
-        b1_LF = local_tensor(self.gate_up_proj_bias)
-        w2_LIH = local_tensor(self.down_proj)
-        b2_LH = local_tensor(self.down_proj_bias)
-        if self.grad_scale != 1.0 and torch.is_grad_enabled():
-            scale = self.grad_scale
-            w1_LHF, b1_LF, w2_LIH, b2_LH = (scale_grad(t, scale) for t in (w1_LHF, b1_LF, w2_LIH, b2_LH))
-        if use_grouped(x_NH, counts_L, w1_LHF, w2_LIH, self.use_grouped_mm):
-            return self._grouped_forward(x_NH, counts_L, w1_LHF, b1_LF, w2_LIH, b2_LH)
-        return self._loop_forward(x_NH, counts_L, w1_LHF, b1_LF, w2_LIH, b2_LH)
+        weights = compute_weights(
+            [self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias], self.compute_dtype
+        )
+        grouped = use_grouped(x_NH, counts_L, weights[0], weights[2], self.use_grouped_mm)
+        run = self._grouped_forward if grouped else self._loop_forward
+        return with_grad_scale(lambda x, *w: run(x, counts_L, *w), x_NH, weights, self.grad_scale)
 
     def _grouped_forward(
         self,

@@ -33,13 +33,18 @@ def shard_model(
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    shard_experts: bool | None = None,
 ) -> nn.Module:
     """Apply FSDP2 to a model whose MoE layers were parallelised by ``transform(..., mesh=mesh)``.
 
     - Each ``MoELayer.experts`` is sharded over ``("replicate", "edp")`` on dim 1 (its expert dim 0
       stays sharded on ``ep``). FSDP2 averages its gradient over those ``W / d`` ranks; the
       experts' ``grad_scale = 1 / d`` (set by ``parallelize_moe_layers``) supplies the rest, so it
-      is divided by the world size ``W`` exactly like a dense parameter's gradient.
+      is divided by the world size ``W`` exactly like a dense parameter's.
+    - When that mesh has one rank (``degree`` = world size), FSDP2 would only copy: all-gather and
+      reduce-scatter on one rank, and gradients cast to the reduce dtype and back. The experts are
+      then left out of FSDP2 (their DTensors on ``ep`` need no reduction), and their
+      ``compute_dtype`` is set to ``mp_policy.param_dtype`` so the matmuls run in the same dtype.
     - Each decoder layer, then the root, is sharded over ``("replicate", "shard")``: HSDP when the
       replicate degree is above 1.
 
@@ -50,11 +55,16 @@ def shard_model(
         mesh: the world mesh from ``init_mesh``.
         mp_policy: FSDP2 mixed precision (e.g. bf16 params, fp32 reduce).
         reshard_after_forward: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2).
+        shard_experts: apply FSDP2 to the experts; ``None`` (default) does so only when they have
+            expert-data-parallel ranks (``replicate x edp > 1``). Both give the same numbers.
     """
     kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     experts_mesh = _fsdp_mesh(expert_data_mesh(mesh))
+    if shard_experts is None:
+        shard_experts = experts_mesh.size() > 1
+    unsharded: set[nn.Parameter] = set()
     for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
         if isinstance(layer.experts, FSDPModule):
             continue
@@ -63,7 +73,13 @@ def shard_model(
                 "shard_model: the MoE layers are not expert-parallel yet; call "
                 "lightning_ep.transform(model, config, mesh=mesh) before shard_model."
             )
-        fully_shard(layer.experts, mesh=experts_mesh, shard_placement_fn=lambda p: Shard(1), **kwargs)
+        if shard_experts:
+            fully_shard(layer.experts, mesh=experts_mesh, shard_placement_fn=lambda p: Shard(1), **kwargs)
+        else:
+            unsharded.update(layer.experts.parameters(recurse=False))
+            layer.experts.compute_dtype = mp_policy.param_dtype if mp_policy is not None else None
+    if unsharded:
+        kwargs["ignored_params"] = unsharded
     shard_mesh = _fsdp_mesh(dense_mesh(mesh))
     for block in decoder_blocks(model):
         if not isinstance(block, FSDPModule):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from harness import spawn
-from workers import Case, run_bad_degree, run_cases, run_meta_init, run_seeded
+from workers import Case, run_bad_degree, run_cases, run_experts_outside_fsdp, run_meta_init, run_seeded
 
 pytestmark = pytest.mark.distributed
 
@@ -83,3 +83,7 @@ def test_seeded_randomness_is_reproducible_and_local() -> None:
 
 def test_degree_must_divide_expert_count() -> None:
     spawn(run_bad_degree, 4)
+
+
+def test_experts_outside_fsdp_equal_fsdp_wrapped_experts() -> None:
+    spawn(run_experts_outside_fsdp, 2)

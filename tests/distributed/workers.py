@@ -250,3 +250,45 @@ def run_bad_degree(rank: int, world: int) -> None:
         RuntimeError, match=r"call lightning_ep.transform\(model, config, mesh=mesh\) before shard_model"
     ):
         lightning_ep.shard_model(plain, mesh)
+
+
+def run_experts_outside_fsdp(rank: int, world: int) -> None:
+    """degree = world: the experts are left out of FSDP2 (their mesh ``edp`` has one rank) and cast to
+    the policy's bf16 themselves; losses, gradients and parameters after AdamW are bitwise those of
+    FSDP2-wrapped experts (which on one rank only copy and cast)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    base = tiny_mixtral()
+    models, optimizers = [], []
+    for shard_experts in (True, None):
+        model = copy.deepcopy(base)
+        mesh = lightning_ep.init_mesh(world, device_type="cpu")
+        lightning_ep.transform(model, MoEConfig(moe_load_balancing="aux_loss"), mesh=mesh)
+        lightning_ep.shard_model(model, mesh, mp_policy=policy, shard_experts=shard_experts)
+        for layer in lightning_ep.moe_layers(model):
+            assert isinstance(layer.experts, FSDPModule) == bool(shard_experts)
+            assert layer.experts.compute_dtype == (None if shard_experts else torch.bfloat16)
+            assert layer.experts.gate_up_proj.dtype == torch.float32
+        model.train()
+        models.append(model)
+        optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
+    for step in range(2):
+        ids = micro_batch(step, rank)
+        losses = []
+        for model, opt in zip(models, optimizers, strict=True):
+            opt.zero_grad()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), (step, losses)
+        wrapped, plain = (dict(m.named_parameters()) for m in models)
+        assert list(wrapped) == list(plain)
+        for name, p in plain.items():
+            assert p.grad.dtype == torch.float32, name
+            assert torch.equal(full(p.grad), full(wrapped[name].grad)), (step, name)
+        for opt in optimizers:
+            opt.step()
+    wrapped, plain = (dict(m.named_parameters()) for m in models)
+    for name, p in plain.items():
+        assert torch.equal(full(p.detach()), full(wrapped[name].detach())), name

@@ -146,17 +146,42 @@ def test_all_rows_to_one_expert_and_empty_input():
 
 
 @pytest.mark.parametrize("grouped", [None, False])
-def test_grad_scale_scales_weight_gradients_only(grouped):
+@pytest.mark.parametrize(
+    ("scale", "rows"),
+    [
+        (0.25, 28),  # a power of two, 2 N H < the weights' elements: the rows' gradients are scaled
+        (0.25, 400),  # more rows than weight elements: the weights' gradients are scaled
+        (0.3, 28),  # not a power of two: the weights' gradients, whatever the sizes
+    ],
+)
+def test_grad_scale_scales_weight_gradients_only(grouped, scale, rows):
+    counts = [rows // E] * (E - 1) + [rows - (rows // E) * (E - 1)]
     w1, w2 = _weights()
-    x = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(3))
-    upstream = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(4))
-    out, gx, g1, g2 = _run(_experts(w1, w2, grouped), x, COUNTS, upstream)
+    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(3))
+    upstream = torch.randn(rows, H, generator=torch.Generator().manual_seed(4))
+    out, gx, g1, g2 = _run(_experts(w1, w2, grouped), x, counts, upstream)
     scaled = _experts(w1, w2, grouped)
-    scaled.grad_scale = 0.25
-    out_s, gx_s, g1_s, g2_s = _run(scaled, x, COUNTS, upstream)
+    scaled.grad_scale = scale
+    out_s, gx_s, g1_s, g2_s = _run(scaled, x, counts, upstream)
     assert torch.equal(out_s, out)
+    # Bitwise: a power-of-two factor commutes with rounding, and otherwise the weights' gradients are
+    # multiplied once, exactly as the reference below.
     assert torch.equal(gx_s, gx)  # the activations' gradient is not scaled
-    assert rel_err(g1_s, 0.25 * g1) < 1e-6 and rel_err(g2_s, 0.25 * g2) < 1e-6
+    assert torch.equal(g1_s, g1 * scale) and torch.equal(g2_s, g2 * scale)
+
+
+@pytest.mark.parametrize("grouped", [None, False])
+def test_compute_dtype_casts_weights_and_returns_gradients_in_their_dtype(grouped):
+    w1, w2 = _weights()
+    x = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(3)).bfloat16()
+    upstream = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(4))
+    reference = _run(_experts(w1.bfloat16(), w2.bfloat16(), grouped), x, COUNTS, upstream)
+    mixed = _experts(w1, w2, grouped)
+    mixed.compute_dtype = torch.bfloat16
+    got = _run(mixed, x, COUNTS, upstream)
+    assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.float32
+    for want, have in zip(reference, got, strict=True):
+        assert torch.equal(have, want.to(have.dtype))  # what FSDP2's param_dtype=bf16 computes
 
 
 # ---------------------------------------------------------------- grouped_mm support and errors
