@@ -18,6 +18,50 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
+class InFlight:
+    """An all-to-all launched by ``start_all_to_all`` and not yet waited for by ``finish_all_to_all``.
+
+    Work queued between the two overlaps the exchange, in forward and in backward alike: the
+    backward of ``finish_all_to_all`` launches the reverse exchange and that of
+    ``start_all_to_all`` waits for it; autograd runs the backward of whatever was computed between
+    them (created later, so run earlier) in between.
+    """
+
+    def __init__(self, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> None:
+        self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
+        self.work: Any = None
+        self.buffers: tuple[torch.Tensor, ...] = ()  # kept alive until the exchange is waited for
+
+    def launch(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        self.work = dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group, async_op=True)
+        self.buffers = (x, out)
+        return out
+
+    def wait(self) -> torch.Tensor:
+        """Wait (on CUDA: make the current stream wait) and return the received rows."""
+        self.work.wait()
+        out = self.buffers[1]
+        self.work, self.buffers = None, ()
+        return out
+
+
+def start_all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> tuple[torch.Tensor, InFlight]:
+    """Launch ``all_to_all(x, out_splits, in_splits, group)`` without waiting. Returns a tensor
+    that must only be passed to ``finish_all_to_all`` (its rows are still arriving), and the
+    handle. Differentiable."""
+    flight = InFlight(out_splits, in_splits, group)
+    return _StartAllToAll.apply(x, flight), flight
+
+
+def finish_all_to_all(pending: torch.Tensor, flight: InFlight) -> torch.Tensor:
+    """Wait for the exchange begun by ``start_all_to_all``; the received rows. Differentiable."""
+    return _FinishAllToAll.apply(pending, flight)
+
+
 def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate the equally shaped ``x`` of every rank along dim 0. Backward: reduce-scatter."""
     return _AllGather.apply(x, group)
@@ -83,3 +127,30 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         return _gather_raw(grad, ctx.group), None
+
+
+class _StartAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, flight: InFlight) -> torch.Tensor:
+        ctx.flight = flight
+        return flight.launch(x, flight.out_splits, flight.in_splits)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        # ``grad`` only passes control: the gradient is what _FinishAllToAll.backward's reverse
+        # exchange is still writing.
+        return ctx.flight.wait(), None
+
+
+class _FinishAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, pending: torch.Tensor, flight: InFlight) -> torch.Tensor:
+        ctx.flight = flight
+        return flight.wait().view_as(pending)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        flight = ctx.flight
+        flight.launch(grad, flight.in_splits, flight.out_splits)
+        # Autograd wants a gradient shaped like the pending rows; the real one is in flight.
+        return grad, None

@@ -16,7 +16,7 @@ Every dispatcher has the same two-call interface, and keeps no state between cal
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -24,9 +24,12 @@ import torch
 from lightning_ep.moe.combine import weighted_combine
 
 
-@dataclass
 class Dispatched:
     """Rows for the local experts, plus what ``combine`` needs to undo the dispatch.
+
+    A dispatcher may return while the rows are still travelling (``arrive``): the first read of
+    ``x_MH`` waits for them, so work done between ``dispatch`` and that read (the layer's shared
+    experts) overlaps the exchange.
 
     Attributes:
         x_MH: rows sorted by local expert.
@@ -35,10 +38,34 @@ class Dispatched:
         state: dispatcher-private bookkeeping.
     """
 
-    x_MH: torch.Tensor
-    counts_L: torch.Tensor
-    tokens_per_expert_E: torch.Tensor
-    state: dict[str, Any] = field(default_factory=dict)
+    def __init__(
+        self,
+        x_MH: torch.Tensor | None,
+        counts_L: torch.Tensor,
+        tokens_per_expert_E: torch.Tensor,
+        state: dict[str, Any] | None = None,
+        *,
+        arrive: Callable[[], torch.Tensor] | None = None,
+    ) -> None:
+        if (x_MH is None) == (arrive is None):
+            raise ValueError("Dispatched needs exactly one of x_MH and arrive.")
+        self._x_MH = x_MH
+        self._arrive = arrive
+        self.counts_L = counts_L
+        self.tokens_per_expert_E = tokens_per_expert_E
+        self.state = state if state is not None else {}
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether the rows are still travelling (``x_MH`` not read yet)."""
+        return self._arrive is not None
+
+    @property
+    def x_MH(self) -> torch.Tensor:
+        if self._arrive is not None:
+            self._x_MH, self._arrive = self._arrive(), None
+        assert self._x_MH is not None
+        return self._x_MH
 
 
 class Dispatcher(Protocol):

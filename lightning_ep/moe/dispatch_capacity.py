@@ -23,7 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe.comm import all_to_all
+from lightning_ep.moe.comm import all_to_all, finish_all_to_all, start_all_to_all
 from lightning_ep.moe.config import DropPolicy
 from lightning_ep.moe.dispatch import Dispatched
 
@@ -96,15 +96,19 @@ class CapacityDispatcher:
         dest_N = torch.where(keep_N, slot_N, E * cap)
         pair_rows_NH = x_TH.index_select(0, torch.arange(T * K, device=x_TH.device) // K)
         send_XH = x_TH.new_zeros((E * cap + 1, x_TH.shape[1])).index_copy(0, dest_N, pair_rows_NH)[: E * cap]
-        if self.group is not None and D > 1:
-            splits = [L * cap] * D
-            recv_XH = all_to_all(send_XH, splits, splits, self.group)  # [D, L, C, H] by source rank
-            x_MH = recv_XH.view(D, L, cap, -1).transpose(0, 1).reshape(L * D * cap, -1)  # [L, D, C, H]
-        else:
-            x_MH = send_XH
         counts_L = torch.full((L,), D * cap, dtype=torch.int64, device=x_TH.device)
         state = {"slot_N": slot_N, "keep_N": keep_N, "cap": cap, "tokens_dropped": (~keep_N).sum()}
-        return Dispatched(x_MH, counts_L, counts_E, state)
+        if self.group is None or D == 1:
+            return Dispatched(send_XH, counts_L, counts_E, state)
+        splits = [L * cap] * D
+        pending_XH, flight = start_all_to_all(send_XH, splits, splits, self.group)
+
+        def arrive() -> torch.Tensor:
+            recv_XH = finish_all_to_all(pending_XH, flight)  # [D, L, C, H] by source rank
+            return recv_XH.view(D, L, cap, -1).transpose(0, 1).reshape(L * D * cap, -1)  # [L, D, C, H]
+
+        # The rows travel until the first read of x_MH (see Dispatched).
+        return Dispatched(None, counts_L, counts_E, state, arrive=arrive)
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         state = dispatched.state

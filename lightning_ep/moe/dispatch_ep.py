@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe.comm import all_gather_rows, all_to_all, reduce_scatter_rows
+from lightning_ep.moe.comm import all_gather_rows, all_to_all, finish_all_to_all, reduce_scatter_rows, start_all_to_all
 from lightning_ep.moe.dispatch import (
     Dispatched,
     count_ids,
@@ -29,8 +29,9 @@ class AllToAllDispatcher:
     """Tokens travel to the rank of their expert and back by variable-size all-to-all.
 
     Forward: sort pairs by expert -> exchange per-expert counts -> one host read of the split
-    sizes -> all-to-all of the rows -> regroup by local expert. Combine: the exact reverse, then
-    the weighted sum over the K choices on the token's own rank.
+    sizes -> all-to-all of the rows -> regroup by local expert. ``dispatch`` returns while the rows
+    travel (``Dispatched.x_MH`` waits for them on first read). Combine: the exact reverse, then the
+    weighted sum over the K choices on the token's own rank.
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup, max_tokens_per_rank: int | None = None) -> None:
@@ -67,14 +68,17 @@ class AllToAllDispatcher:
             _check_budget(splits[2 * D :], self.max_tokens_per_rank)
         send_splits, recv_splits = splits[:D], splits[D : 2 * D]
 
-        x_recv_MH = all_to_all(x_NH, recv_splits, send_splits, self.group)
+        pending_MH, flight = start_all_to_all(x_NH, recv_splits, send_splits, self.group)
         # Received rows are ordered (source rank, local expert); regroup them by local expert.
         segment_M = torch.repeat_interleave(
             torch.arange(D * L, device=recv_DL.device), recv_DL.reshape(-1), output_size=sum(recv_splits)
         )
         regroup_M = torch.argsort(segment_M % L, stable=True)
         unregroup_M = inverse_permutation(regroup_M)
-        x_MH = permute_rows(x_recv_MH, regroup_M, unregroup_M)
+
+        def arrive() -> torch.Tensor:
+            return permute_rows(finish_all_to_all(pending_MH, flight), regroup_M, unregroup_M)
+
         state = {
             "order_N": order_N,
             "inverse_N": inverse_N,
@@ -82,7 +86,7 @@ class AllToAllDispatcher:
             "unregroup_M": unregroup_M,
             "splits": (send_splits, recv_splits),
         }
-        return Dispatched(x_MH, recv_DL.sum(0), counts_E, state)
+        return Dispatched(None, recv_DL.sum(0), counts_E, state, arrive=arrive)
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         state = dispatched.state

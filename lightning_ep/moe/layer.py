@@ -43,7 +43,10 @@ class MoELayer(nn.Module):
     Shared experts are ordinary dense modules applied to every token and added to the routed
     output, scaled by ``sigmoid(shared_experts_gate(x))`` when there is a gate (Qwen2-MoE); they are
     replicated under expert parallelism and FSDP2-sharded with the decoder layer, like dense
-    weights. They run right after the dispatch, so an asynchronous dispatch overlaps them.
+    weights. With ``overlap_shared`` (the default) they run between the launch of the all-to-all
+    dispatch and the first use of its rows, so the exchange overlaps them in forward, and the
+    reverse exchange overlaps their backward; ``False`` runs them after the rows arrived. Both
+    compute the same numbers.
 
     After each forward the layer holds, for logging and balancing:
 
@@ -98,6 +101,7 @@ class MoELayer(nn.Module):
         self.jitter_noise = float(jitter_noise)
         self.layer_index = layer_index
         self.loss_scale = 1.0
+        self.overlap_shared = True
         self.dispatcher: Dispatcher = make_dispatcher(config, gate.num_experts)
         # A TokenShuffle when global_token_shuffle is on under expert parallelism.
         self.shuffle: TokenShuffle | None = None
@@ -149,8 +153,13 @@ class MoELayer(nn.Module):
             dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK)
         if "tokens_dropped" in dispatched.state:
             self.tokens_dropped = dispatched.state["tokens_dropped"]
-        shared_TH = self._shared(x_TH)
-        y_MH = self.experts(dispatched.x_MH, dispatched.counts_L)
+        if self.overlap_shared:
+            shared_TH = self._shared(x_TH)  # while the routed rows travel (all-to-all dispatch)
+            x_MH = dispatched.x_MH
+        else:
+            x_MH = dispatched.x_MH
+            shared_TH = self._shared(x_TH)
+        y_MH = self.experts(x_MH, dispatched.counts_L)
         out_TH = self.dispatcher.combine(y_MH, routing.weights_TK, dispatched)
         if shared_TH is not None:
             out_TH = out_TH + shared_TH

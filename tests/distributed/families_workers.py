@@ -154,30 +154,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 CONFIG = MoEConfig(moe_load_balancing="none", moe_z_loss_coeff=0.0, moe_aux_loss_coeff=0.0)
 
 
-def check_family_degree2(rank: int, world: int, model_type: str, out: Path) -> None:
+def check_family_grads(rank: int, world: int, model_type: str, device: str = "cpu") -> tuple[nn.Module, Any]:
     """At degree 2: loss and every full gradient equal the data-parallel reference (the untouched
-    one-process model fed each rank's micro-batch, averaged); a ``save_pretrained`` folder loads
-    into a freshly sharded model with ``load_pretrained_sharded``; ``export_hf`` writes a folder
-    that ``from_pretrained`` loads with the sharded model's logits."""
-    from transformers import AutoModelForCausalLM
-
-    from lightning_ep.models.hf_io import export_hf, load_pretrained_sharded
-
-    tag = f"{model_type} rank {rank}"
-    reference = tiny_family(model_type)
+    one-process model fed each rank's micro-batch, averaged). Returns the reference and the mesh."""
+    tag = f"{model_type} rank {rank} {device}"
+    reference = tiny_family(model_type).to(device)
     model = copy.deepcopy(reference)
-    mesh = lightning_ep.init_mesh(2, device_type="cpu")
+    mesh = lightning_ep.init_mesh(2, device_type=torch.device(device).type)
     lightning_ep.transform(model, CONFIG, mesh=mesh)
     lightning_ep.shard_model(model, mesh)
 
-    # Gradients: the reference accumulates every rank's micro-batch, divided by the world size.
+    # The reference accumulates every rank's micro-batch, divided by the world size.
     ref_loss = 0.0
     for r in range(world):
-        ids = micro_batch(0, r)
+        ids = micro_batch(0, r).to(device)
         loss = reference(input_ids=ids, labels=ids).loss / world
         loss.backward()
         ref_loss += loss.item()
-    ids = micro_batch(0, rank)
+    ids = micro_batch(0, rank).to(device)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     mean_loss = loss.detach().clone()
@@ -192,7 +186,19 @@ def check_family_degree2(rank: int, world: int, model_type: str, out: Path) -> N
         assert p.grad is not None, (tag, name, "no gradient")
         err = rel_err(full(p.grad), ref_params[name].grad)
         assert err <= RTOL, (tag, name, err)
+    return reference, mesh
 
+
+def check_family_degree2(rank: int, world: int, model_type: str, out: Path) -> None:
+    """``check_family_grads``; then a ``save_pretrained`` folder loads into a freshly sharded model
+    with ``load_pretrained_sharded``, and ``export_hf`` writes a folder that ``from_pretrained``
+    loads with the sharded model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ep.models.hf_io import export_hf, load_pretrained_sharded
+
+    tag = f"{model_type} rank {rank}"
+    reference, mesh = check_family_grads(rank, world, model_type)
     # Sharded loading: a differently seeded sharded model takes the reference's saved weights.
     folder = out / f"{model_type}_hf"
     if rank == 0:
@@ -226,3 +232,11 @@ def check_family_degree2(rank: int, world: int, model_type: str, out: Path) -> N
 def run_families(rank: int, world: int, model_types: list[str], out: str) -> None:
     for model_type in model_types:
         check_family_degree2(rank, world, model_type, Path(out))
+
+
+def run_families_cuda(rank: int, world: int, model_types: list[str]) -> None:
+    """``check_family_grads`` under NCCL, one GPU per rank (fp32: the experts' per-expert loop)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for model_type in model_types:
+        check_family_grads(rank, world, model_type, device=f"cuda:{rank}")

@@ -1,0 +1,34 @@
+"""Every supported family at degree 2 under NCCL on 2 GPUs, and the shared experts' overlap there.
+
+The same checks as the gloo suite (``tests/distributed/test_families_ep.py``, ``test_overlap.py``)
+on CUDA: loss and every full gradient of data parallelism of the untouched model within 1e-5
+(fp32, TF32 off); the shared experts run inside the dispatch exchange's window and match running
+them after it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+
+from families_workers import FAMILY_NAMES, run_families_cuda
+from harness import spawn
+from overlap_workers import run_shared_overlap
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+
+def test_families_at_degree_2_nccl() -> None:
+    spawn(run_families_cuda, 2, list(FAMILY_NAMES), backend="nccl")
+
+
+def test_shared_experts_overlap_the_dispatch_nccl() -> None:
+    spawn(run_shared_overlap, 2, ["qwen2_moe", "deepseek_v3"], "cuda", backend="nccl")
