@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -75,9 +75,12 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: ``True`` saves one shard per rank (resumable at any degree);
             ``False`` gathers a single full checkpoint on rank 0.
         log_moe_losses: log the per-layer and total aux and z losses after each training step.
-        check_finite: after each training forward, raise ``FloatingPointError`` naming the MoE layer
-            and the step if a router logit or a layer output is NaN or infinite. The flags ride on
-            the loss-logging collective, so it costs no extra host sync; ``False`` skips it.
+        check_finite: raise ``FloatingPointError`` naming the MoE layer and the step if a router
+            logit or a layer output of a training forward was NaN or infinite, before the optimizer
+            step that would apply its gradients (right after ``training_step`` under manual
+            optimization). The flags ride on the loss-logging all-reduce and are read once the
+            backward has been launched, so the host never stalls the GPU between forward and
+            backward; ``False`` skips it.
         deterministic: ``torch.use_deterministic_algorithms(True)`` for the run; with the same seed,
             two CPU runs give bitwise-identical losses (see the README for GPU).
         tensor_parallel_size: must be 1; tensor parallelism alongside EP is not supported.
@@ -139,6 +142,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.check_finite = check_finite
         self.deterministic = deterministic
         self._hf_model: nn.Module | None = None
+        # Max over the micro-batches since the last optimizer step of the all-reduced per-layer
+        # non-finite flags (device tensor), read by _raise_if_nonfinite.
+        self._nonfinite: torch.Tensor | None = None
 
     @property
     def degree(self) -> int | Literal["auto"]:
@@ -222,6 +228,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 optimizer.register_step_pre_hook(self._before_optimizer_step)
         self.setup_precision_plugin()
         self._use_mesh_aware_clipping()
+        self._check_finite_before_step()
 
     def _find_moe_model(self, module: nn.Module) -> nn.Module:
         """The outermost Hugging Face model inside the LightningModule that has MoE blocks."""
@@ -385,16 +392,15 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         flags = [lr.nonfinite.float() if self.check_finite else torch.zeros(()) for lr in layers]
         parts = [*(lr.aux_loss for lr in layers), *(lr.z_loss for lr in layers), *flags]
         stacked = torch.stack([p.to(device=device, dtype=torch.float32) for p in parts])
-        stacked = _sync_ddp_if_available(stacked, reduce_op="mean")
+        if dist.is_available() and dist.is_initialized() and (world := dist.get_world_size()) > 1:
+            # A plain all-reduce: no barrier and no host sync (unlike Lightning's sync_ddp).
+            dist.all_reduce(stacked)
+            stacked = stacked / world
         aux, z, nonfinite = stacked[:n], stacked[n : 2 * n], stacked[2 * n :]
-        if self.check_finite and bool(nonfinite.any()):
-            bad = [i for i in range(n) if nonfinite[i] > 0]
-            step = module.trainer.global_step if module._trainer is not None else -1
-            raise FloatingPointError(
-                f"non-finite router logits or outputs in MoE layer(s) {bad} at global step {step} (on at least "
-                "one rank). Lower the learning rate, raise moe_z_loss_coeff, or clip gradients; "
-                "ExpertParallelStrategy(check_finite=False) skips this check."
-            )
+        if self.check_finite:
+            self._nonfinite = nonfinite if self._nonfinite is None else torch.maximum(self._nonfinite, nonfinite)
+            if not module.automatic_optimization:
+                self._raise_if_nonfinite()
         if not self.log_moe_losses:
             return
         metrics = {"moe/aux_loss": aux.sum(), "moe/z_loss": z.sum()}
@@ -402,6 +408,33 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         per_layer = {f"moe/layer_{i}/aux_loss": aux[i] for i in range(len(layers))}
         per_layer |= {f"moe/layer_{i}/z_loss": z[i] for i in range(len(layers))}
         module.log_dict(per_layer, sync_dist=False, on_step=True, on_epoch=False)
+
+    def _raise_if_nonfinite(self) -> None:
+        """Raise if a training forward since the last check had a non-finite value on any rank (one
+        host read of the flags, which every rank has after the all-reduce)."""
+        flags, self._nonfinite = self._nonfinite, None
+        if flags is None or not bool(flags.any()):
+            return
+        bad = [i for i, flag in enumerate(flags.tolist()) if flag > 0]
+        module = self.lightning_module
+        step = module.trainer.global_step if module is not None and module._trainer is not None else -1
+        raise FloatingPointError(
+            f"non-finite router logits or outputs in MoE layer(s) {bad} at global step {step} (on at least "
+            "one rank). Lower the learning rate, raise moe_z_loss_coeff, or clip gradients; "
+            "ExpertParallelStrategy(check_finite=False) skips this check."
+        )
+
+    def _check_finite_before_step(self) -> None:
+        """Read the non-finite flags after the closure (forward and backward launched), before the
+        optimizer step: Lightning's precision plugins call ``_after_closure`` there."""
+        plugin = self.precision_plugin
+        after_closure = plugin._after_closure
+
+        def checked(model: pl.LightningModule, optimizer: Any) -> None:
+            self._raise_if_nonfinite()
+            after_closure(model, optimizer)
+
+        plugin._after_closure = checked  # type: ignore[method-assign]
 
     def _use_mesh_aware_clipping(self) -> None:
         """Route Lightning's ``gradient_clip_val`` through ``clip_grad_norm_``.
