@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lightning_ep.moe import combine, dispatch, dispatch_ep, swiglu
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
-VARIANTS = ("fast", "unfused-swiglu", "unfused-combine", "sync-counts", "atomic-bwd", "reference")
+VARIANTS = ("fast", "unfused-swiglu", "unfused-combine", "sync-counts", "atomic-bwd", "reference", "serial-shared")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class Shape:
     head_dim: int
     layers: int
     vocab: int = 32000
+    shared_inter: int = 0  # width of a gated shared expert (Qwen2-MoE style); 0: none
 
 
 SHAPES = {
@@ -51,8 +52,12 @@ SHAPES = {
     "coarse": Shape("coarse", 4096, 14336, 8, 2, 32, 8, 128, layers=2),
     # Qwen3-30B-A3B-like fine-grained experts, as a MixtralConfig.
     "fine": Shape("fine", 2048, 768, 128, 8, 32, 4, 128, layers=4),
-    # CPU smoke test only.
+    # Qwen1.5-MoE-A2.7B-like: 64 routed experts (60 there) of width 1408, top-4, and a gated
+    # shared expert of width 5632 (bench_layer only).
+    "shared": Shape("shared", 2048, 1408, 64, 4, 16, 16, 128, layers=4, shared_inter=5632),
+    # CPU smoke tests only.
     "tiny": Shape("tiny", 64, 32, 8, 2, 4, 2, 16, layers=2, vocab=128),
+    "tiny-shared": Shape("tiny-shared", 64, 32, 8, 2, 4, 2, 16, layers=2, vocab=128, shared_inter=48),
 }
 
 
@@ -140,7 +145,9 @@ def variant(name: str) -> Iterator[None]:
     - ``sync-counts``: counts per expert by ``torch.bincount`` (reads the maximum back to the host);
     - ``atomic-bwd``: permutations and the combine by ``index_select`` + ``bmm`` under plain
       autograd (zero-fill + scatter-add backward, outer-product GEMM);
-    - ``reference``: all of the above (the code before these changes).
+    - ``reference``: all of the above (the code before these changes);
+    - ``serial-shared``: nothing patched here; ``bench_layer`` sets the layer's
+      ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it).
     """
     patches: dict[str, Any] = {}
     if name in ("unfused-swiglu", "reference"):

@@ -15,7 +15,9 @@ code variant it reports:
 Variants (each toggles one change of the hot path, so its effect is measured in the same run):
 ``fast`` (the code as it is), ``sync-counts`` (counts per expert by ``torch.bincount``, which
 reads the maximum id back to the host), ``atomic-bwd`` (permutations by ``index_select``, whose
-backward zero-fills and scatter-adds), ``reference`` (both).
+backward zero-fills and scatter-adds), ``reference`` (both), ``serial-shared`` (shapes with a
+shared expert: it runs after the dispatch exchange instead of during it). With a shared expert,
+``all-to-all`` is the exchange time left exposed after the shared expert's work.
 
 Run (two GPUs; degree 1 runs on each GPU alone):
 
@@ -57,7 +59,7 @@ from torch import nn
 
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter, dispatch_ep
 
-PHASES = ("router", "permutation", "all-to-all", "experts", "combine")
+PHASES = ("router", "permutation", "all-to-all", "shared", "experts", "combine")
 
 
 # ---------------------------------------------------------------- phase marks
@@ -111,18 +113,32 @@ def mark(x: torch.Tensor, timeline: Timeline, fwd: str | None, bwd: str | None) 
 def marked_collectives(timeline: Timeline) -> Iterator[None]:
     """Wrap the dispatchers' differentiable collectives with marks (the all-to-all phase)."""
 
+    def side() -> str:
+        return "permutation" if timeline.side == "dispatch" else "combine"
+
     def wrap(fn: Any) -> Any:
         def wrapped(x: torch.Tensor, *args: Any) -> torch.Tensor:
-            side = "permutation" if timeline.side == "dispatch" else "combine"
-            x = mark(x, timeline, side, "all-to-all")
-            return mark(fn(x, *args), timeline, "all-to-all", side)
+            x = mark(x, timeline, side(), "all-to-all")
+            return mark(fn(x, *args), timeline, "all-to-all", side())
 
         return wrapped
 
-    names = ("all_to_all", "all_gather_rows", "reduce_scatter_rows")
-    saved = [(name, getattr(dispatch_ep, name)) for name in names]
+    def wrap_start(fn: Any) -> Any:  # the launch closes the phase before it; the wait opens the next
+        return lambda x, *args: fn(mark(x, timeline, side(), "all-to-all"), *args)
+
+    def wrap_finish(fn: Any) -> Any:
+        return lambda pending, flight: mark(fn(pending, flight), timeline, "all-to-all", side())
+
+    wrappers = {
+        "all_to_all": wrap,
+        "all_gather_rows": wrap,
+        "reduce_scatter_rows": wrap,
+        "start_all_to_all": wrap_start,
+        "finish_all_to_all": wrap_finish,
+    }
+    saved = [(name, getattr(dispatch_ep, name)) for name in wrappers]
     for name, fn in saved:
-        setattr(dispatch_ep, name, wrap(fn))
+        setattr(dispatch_ep, name, wrappers[name](fn))
     try:
         yield
     finally:
@@ -139,16 +155,33 @@ def marked_forward(layer: MoELayer, x_TH: torch.Tensor, timeline: Timeline) -> t
     timeline.side = "dispatch"
     with marked_collectives(timeline):
         dispatched = layer.dispatcher.dispatch(x_disp, routing.expert_ids_TK)
+        shared_TH = None
+        if layer.overlap_shared:
+            shared_TH = marked_shared(layer, x_TH, timeline)  # while the rows travel
         x_MH = mark(dispatched.x_MH, timeline, "permutation", "experts")
+        if not layer.overlap_shared:
+            shared_TH = marked_shared(layer, x_TH, timeline)
         y_MH = mark(layer.experts(x_MH, dispatched.counts_L), timeline, "experts", "combine")
         timeline.side = "combine"
         out_TH = layer.dispatcher.combine(y_MH, weights_TK, dispatched)
+    if shared_TH is not None:
+        out_TH = out_TH + shared_TH
     out_TH = mark(out_TH, timeline, "combine", "router")
     # The layer's own loss bookkeeping, timed as router.
     out_TH = layer._account(
         out_TH, routing.logits_TE, routing.probs_TE, routing.expert_ids_TK, dispatched.tokens_per_expert_E
     )
     return mark(out_TH, timeline, "router", None)
+
+
+def marked_shared(layer: MoELayer, x_TH: torch.Tensor, timeline: Timeline) -> torch.Tensor | None:
+    """The layer's shared experts, their forward and backward timed as ``shared``."""
+    if layer.child_names["shared_experts"] not in layer._modules:
+        return None
+    x_TH = mark(x_TH, timeline, "-", "shared")
+    shared_TH = layer._shared(x_TH)
+    assert shared_TH is not None
+    return mark(shared_TH, timeline, "shared", "-")
 
 
 # ---------------------------------------------------------------- the layer
@@ -164,7 +197,24 @@ def build_layer(shape: Shape, balancing: str, device: torch.device, dtype: torch
     config = MoEConfig(moe_load_balancing=balancing)  # type: ignore[arg-type]
     gate = TopKRouter(nn.Parameter(gate_w), top_k=shape.top_k, mode=config.moe_load_balancing)
     experts = GroupedExperts(nn.Parameter(w1), nn.Parameter(w2), F.silu)
-    return MoELayer(gate, experts, config).train()
+    if not shape.shared_inter:
+        return MoELayer(gate, experts, config).train()
+    shared = SharedExpert(H, shape.shared_inter).to(device=device, dtype=dtype)
+    shared_gate = nn.Linear(H, 1, bias=False).to(device=device, dtype=dtype)
+    return MoELayer(gate, experts, config, shared_experts=shared, shared_experts_gate=shared_gate).train()
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP, as Qwen2-MoE's ``shared_expert``."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def parallelize(layer: MoELayer, degree: int, dispatcher: str, device: torch.device) -> MoELayer:
@@ -227,15 +277,20 @@ def measure(
     return {"total": total, "marked": statistics.median(marked), "syncs": syncs, **phases}
 
 
-def floor_ms(layer: MoELayer, shape: Shape, tokens: int, device: torch.device, dtype: torch.dtype) -> dict:
-    """The anchors.md floor, from ceilings measured now on this layer's own routing."""
+def floor_ms(
+    layer: MoELayer, shape: Shape, tokens: int, device: torch.device, dtype: torch.dtype, dense_tflops: float
+) -> dict:
+    """The anchors.md floor, from ceilings measured now on this layer's own routing; a shared
+    expert adds its ``18 * T * H * I_shared`` FLOPs at the dense GEMM rate (no overlap assumed)."""
     with torch.no_grad():
         x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
         routing = layer.gate(x)
         dispatched = layer.dispatcher.dispatch(x, routing.expert_ids_TK)
         counts = dispatched.counts_L.tolist()
+        assert dispatched.x_MH.shape[0] == sum(counts)  # also completes the exchange
     rows = int(sum(counts))
     gemm = grouped_gemm_fwd_bwd_ms(counts, shape.hidden, shape.inter, device, dtype)
+    shared = 18 * tokens * shape.hidden * shape.shared_inter / (dense_tflops * 1e12) * 1e3
     gemm_tflops = 18 * rows * shape.hidden * shape.inter / (gemm * 1e-3) / 1e12
     degree = getattr(layer.dispatcher, "degree", 1)
     a2a = all_to_all_ms(tokens * shape.top_k, shape.hidden, device, dtype) if degree > 1 else 0.0
@@ -247,7 +302,7 @@ def floor_ms(layer: MoELayer, shape: Shape, tokens: int, device: torch.device, d
         "gemm_tflops": gemm_tflops,
         "a2a_ms": 4 * a2a,
         "a2a_GBps": bandwidth,
-        "floor": gemm + 4 * a2a,
+        "floor": gemm + shared + 4 * a2a,
     }
 
 
@@ -285,8 +340,11 @@ def main() -> None:
                 continue
             for dispatcher in args.dispatchers if degree > 1 else ["local"]:
                 layer = parallelize(build_layer(shape, args.balancing, device, dtype), degree, dispatcher, device)
-                floor = floor_ms(layer, shape, args.tokens, device, dtype)
+                floor = floor_ms(layer, shape, args.tokens, device, dtype, dense)
                 for name in args.variants:
+                    if name == "serial-shared" and not shape.shared_inter:
+                        continue
+                    layer.overlap_shared = name != "serial-shared"
                     with variant(name):
                         result = measure(layer, shape, args.tokens, device, dtype, args)
                     row = {
@@ -323,7 +381,8 @@ def main() -> None:
             f"median of {args.iters} after {args.warmup} warm-ups; dense bf16 GEMM {dense:.0f} TFLOP/s. "
             "Phases are forward + backward; `marked ms` is the run that carries the phase marks. "
             "Floor = expert GEMMs at the grouped-GEMM rate measured now on the layer's own row counts "
-            "+ 4 all-to-alls of the dispatched rows measured now (no overlap). "
+            "(+ a shared expert's GEMMs at the dense rate) + 4 all-to-alls of the dispatched rows measured now "
+            "(no overlap: a layer that overlaps its shared expert with the exchange can beat it). "
             "`syncs`: device-to-host synchronisations in one forward + backward."
         )
         path = Path(args.results) if args.results else None

@@ -209,7 +209,7 @@ def summarize_profile(prof: Any, wall_ms: float) -> dict[str, float]:
     return totals
 
 
-def _callback(warmup: int, steps: int, device: torch.device, profile: bool) -> Any:
+def _callback(warmup: int, steps: int, device: torch.device, profile: bool, trace: str | None = None) -> Any:
     from lightning.pytorch import Callback
 
     class StepClock(Callback):
@@ -236,6 +236,8 @@ def _callback(warmup: int, steps: int, device: torch.device, profile: bool) -> A
                 from torch.profiler import ProfilerActivity
 
                 activities = [ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU]
+                if trace and ProfilerActivity.CPU not in activities:
+                    activities.append(ProfilerActivity.CPU)  # host ops too, to explain idle GPU time
                 self._prof = torch.profiler.profile(activities=activities)
                 self._sync()
                 self._prof.__enter__()
@@ -251,6 +253,9 @@ def _callback(warmup: int, steps: int, device: torch.device, profile: bool) -> A
                 self._sync()
                 wall_ms = (time.perf_counter() - self._t0) * 1e3
                 self._prof.__exit__(None, None, None)
+                if trace:
+                    Path(trace).parent.mkdir(parents=True, exist_ok=True)
+                    self._prof.export_chrome_trace(trace)
                 self.profile = summarize_profile(self._prof, wall_ms)
                 self._prof = None
 
@@ -277,7 +282,10 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world())
     else:
         strategy = ModelParallelStrategy(data_parallel_size=world(), tensor_parallel_size=1)
-    clock = _callback(args.warmup, args.steps, device, args.profile)
+    trace = None
+    if args.trace:
+        trace = str(Path(args.trace) / f"{shape.name}_{row.replace(':', '_').replace('+', '_').replace('@', '_')}.json")
+    clock = _callback(args.warmup, args.steps, device, args.profile, trace)
     callbacks: list[Any] = [clock]
     if option == "monitor":
         # Worst case for the monitor's cost: its window (one all-reduce + one host read) every step.
@@ -346,7 +354,8 @@ ROW_LABELS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="coarse", choices=sorted(SHAPES))
+    # Shapes with a shared expert are bench_layer's: a MixtralConfig has none.
+    parser.add_argument("--shape", default="coarse", choices=sorted(k for k, v in SHAPES.items() if not v.shared_inter))
     parser.add_argument("--rows", nargs="+", default=["grouped_mm", "ep:a2a"])
     parser.add_argument("--layers", type=int, default=None, help="default: the shape's")
     parser.add_argument("--seq", type=int, default=4096)
@@ -361,6 +370,9 @@ def main() -> None:
     )
     parser.add_argument("--pretrained-dir", default="/tmp/bench_step_hf_ep")
     parser.add_argument("--profile", action="store_true", help="profile one extra step: kernel time by class")
+    parser.add_argument(
+        "--trace", default=None, help="with --profile: also record host ops and write a Chrome trace per row here"
+    )
     parser.add_argument("--record", action="store_true", help="append the table to --results")
     parser.add_argument("--results", default=None, help="markdown file to append to (default benchmarks/RESULTS.md)")
     args = parser.parse_args()

@@ -12,12 +12,12 @@ T="python3 -m torch.distributed.run --nproc-per-node 2"
 S="benchmarks/bench_step.py --record --results $R"
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" >>"$L/$name.log" 2>&1; echo "exit $?"; }
 
-run layer 150 $T benchmarks/bench_layer.py --warmup 3 --iters 10 --record --results "$R"
+run layer 200 $T benchmarks/bench_layer.py --shapes coarse fine shared --warmup 3 --iters 10 --record --results "$R"
 for shape in coarse fine; do
   run "step_${shape}" 200 $T $S --shape $shape --profile \
     --rows grouped_mm ep:a2a ep:a2a@reference ep:allgather ep:a2a+zero2 eager
   run extra 150 $T $S --shape $shape --rows hf_ep
   run extra 100 env CUDA_VISIBLE_DEVICES=0 python3 $S --shape $shape --rows ep:a2a grouped_mm
 done
-grep -hE "^(coarse|fine) " "$L/layer.log"
+grep -hE "^(coarse|fine|shared) " "$L/layer.log"
 grep -hE "^\| \(|^\| row" "$L"/step_*.log "$L"/extra.log
