@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import types
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -33,8 +31,8 @@ from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.balance import update_expert_biases
 from lightning_ep.parallel.fsdp import check_all_sharded, gradient_sync, shard_model
-from lightning_ep.parallel.grad_norm import clip_grad_norm_
 from lightning_ep.parallel.mesh import check_layout, dense_mesh, init_mesh
+from lightning_ep.step_checks import StepChecks, check_before_step, use_mesh_aware_clipping
 from lightning_ep.transform import moe_layers, transform
 
 if TYPE_CHECKING:
@@ -142,9 +140,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.check_finite = check_finite
         self.deterministic = deterministic
         self._hf_model: nn.Module | None = None
-        # Max over the micro-batches since the last optimizer step of the all-reduced per-layer
-        # non-finite flags (device tensor), read by _raise_if_nonfinite.
-        self._nonfinite: torch.Tensor | None = None
+        self._step_checks = StepChecks(check_finite=check_finite, log_losses=log_moe_losses)
 
     @property
     def degree(self) -> int | Literal["auto"]:
@@ -227,8 +223,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             for optimizer in self.optimizers:
                 optimizer.register_step_pre_hook(self._before_optimizer_step)
         self.setup_precision_plugin()
-        self._use_mesh_aware_clipping()
-        self._check_finite_before_step()
+        use_mesh_aware_clipping(self.precision_plugin)
+        self._step_checks = StepChecks(check_finite=self.check_finite, log_losses=self.log_moe_losses)
+        check_before_step(self.precision_plugin, self._step_checks)
 
     def _find_moe_model(self, module: nn.Module) -> nn.Module:
         """The outermost Hugging Face model inside the LightningModule that has MoE blocks."""
@@ -376,82 +373,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self.log_moe_losses or self.check_finite:
-            self._after_training_forward()
+        self._after_training_forward()
         return output
 
     def _after_training_forward(self) -> None:
-        """Average the per-layer losses and non-finite flags over ranks with one collective, raise
-        on a non-finite value, and log the losses."""
-        layers = self._layers()
         module = self.lightning_module
-        if not layers or module is None or module._current_fx_name != "training_step":
+        if module is None or module._current_fx_name != "training_step":
             return
-        n = len(layers)
-        device = self.root_device
-        flags = [lr.nonfinite.float() if self.check_finite else torch.zeros(()) for lr in layers]
-        parts = [*(lr.aux_loss for lr in layers), *(lr.z_loss for lr in layers), *flags]
-        stacked = torch.stack([p.to(device=device, dtype=torch.float32) for p in parts])
-        if dist.is_available() and dist.is_initialized() and (world := dist.get_world_size()) > 1:
-            # A plain all-reduce: no barrier and no host sync (unlike Lightning's sync_ddp).
-            dist.all_reduce(stacked)
-            stacked = stacked / world
-        aux, z, nonfinite = stacked[:n], stacked[n : 2 * n], stacked[2 * n :]
-        if self.check_finite:
-            self._nonfinite = nonfinite if self._nonfinite is None else torch.maximum(self._nonfinite, nonfinite)
-            if not module.automatic_optimization:
-                self._raise_if_nonfinite()
-        if not self.log_moe_losses:
-            return
-        metrics = {"moe/aux_loss": aux.sum(), "moe/z_loss": z.sum()}
-        module.log_dict(metrics, prog_bar=True, sync_dist=False, on_step=True, on_epoch=False)
-        per_layer = {f"moe/layer_{i}/aux_loss": aux[i] for i in range(len(layers))}
-        per_layer |= {f"moe/layer_{i}/z_loss": z[i] for i in range(len(layers))}
-        module.log_dict(per_layer, sync_dist=False, on_step=True, on_epoch=False)
-
-    def _raise_if_nonfinite(self) -> None:
-        """Raise if a training forward since the last check had a non-finite value on any rank (one
-        host read of the flags, which every rank has after the all-reduce)."""
-        flags, self._nonfinite = self._nonfinite, None
-        if flags is None or not bool(flags.any()):
-            return
-        bad = [i for i, flag in enumerate(flags.tolist()) if flag > 0]
-        module = self.lightning_module
-        step = module.trainer.global_step if module is not None and module._trainer is not None else -1
-        raise FloatingPointError(
-            f"non-finite router logits or outputs in MoE layer(s) {bad} at global step {step} (on at least "
-            "one rank). Lower the learning rate, raise moe_z_loss_coeff, or clip gradients; "
-            "ExpertParallelStrategy(check_finite=False) skips this check."
-        )
-
-    def _check_finite_before_step(self) -> None:
-        """Read the non-finite flags after the closure (forward and backward launched), before the
-        optimizer step: Lightning's precision plugins call ``_after_closure`` there."""
-        plugin = self.precision_plugin
-        after_closure = plugin._after_closure
-
-        def checked(model: pl.LightningModule, optimizer: Any) -> None:
-            self._raise_if_nonfinite()
-            after_closure(model, optimizer)
-
-        plugin._after_closure = checked  # type: ignore[method-assign]
-
-    def _use_mesh_aware_clipping(self) -> None:
-        """Route Lightning's ``gradient_clip_val`` through ``clip_grad_norm_``.
-
-        ``torch.nn.utils.clip_grad_norm_`` fails once parameters live on two meshes; the exact
-        norm needs per-mesh partial norms combined across ranks.
-        """
-        plugin = self.precision_plugin
-
-        def clip_grad_by_norm(_self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-            clip_grad_norm_(list(plugin.main_params(optimizer)), clip_val)
-
-        def clip_grad_by_value(_self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-            for p in plugin.main_params(optimizer):
-                if p.grad is not None:
-                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    grad.clamp_(-clip_val, clip_val)
-
-        plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)  # type: ignore[method-assign]
-        plugin.clip_grad_by_value = types.MethodType(clip_grad_by_value, plugin)  # type: ignore[method-assign]
+        self._step_checks.after_forward(self._layers(), module, self.root_device)

@@ -73,6 +73,7 @@ class Module(LightningModule):
         self.model: torch.nn.Module | None = None
         self.losses: list[float] = []
         self.poison_step = -1
+        self.poisoned = False
 
     def configure_model(self) -> None:
         if self.model is None and self.pretrained is not None:
@@ -87,9 +88,17 @@ class Module(LightningModule):
             self.model = build_model()
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        if self.global_step == self.poison_step and dist.get_rank() == 1:
-            # Rank 1 feeds infinities into the second MoE layer: every rank must stop with an error.
-            lightning_ep.moe_layers(self.model)[1].register_forward_pre_hook(lambda m, args: (args[0] * float("inf"),))
+        if self.global_step == self.poison_step and dist.get_rank() == 1 and not self.poisoned:
+            # Rank 1 feeds infinities into the second MoE layer, in one micro-batch only (the first
+            # of the step under accumulation): every rank must stop with an error.
+            self.poisoned = True
+            layer = lightning_ep.moe_layers(self.model)[1]
+
+            def poison(module: torch.nn.Module, args: tuple) -> tuple:
+                handle.remove()
+                return (args[0] * float("inf"),)
+
+            handle = layer.register_forward_pre_hook(poison)
         loss = self.model(input_ids=batch, labels=batch).loss
         mean = loss.detach().clone()
         dist.all_reduce(mean)

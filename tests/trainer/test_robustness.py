@@ -15,11 +15,14 @@ from test_strategy import WORKER, _free_port, assert_close, run
 pytestmark = pytest.mark.distributed
 
 
-def test_non_finite_router_input_stops_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_non_finite_router_input_stops_every_rank(tmp_path: Path, accumulate: int) -> None:
+    """One poisoned micro-batch on one rank stops every rank before the optimizer step, also when it
+    is the first of two accumulated micro-batches (the flags are kept until the step)."""
     out = tmp_path / "poison.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-        str(WORKER), "--out", str(out), "--degree", "2", "--poison-step", "1",
+        str(WORKER), "--out", str(out), "--degree", "2", "--poison-step", "1", "--accumulate", str(accumulate),
     ]  # fmt: skip
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and not out.exists()
