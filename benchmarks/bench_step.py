@@ -15,7 +15,9 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   (``foreach=True`` fails on its mixed Tensor/DTensor parameters).
 - ``ep:a2a`` / ``ep:allgather``: ``lightning_ep.ExpertParallelStrategy(degree=W)`` with the
   all-to-all or all-gather dispatcher (degree 1 when run on one GPU). ``+prefetch`` appended to a
-  row sets FSDP2 forward/backward prefetch of the next decoder layer explicitly, ``+zero2`` keeps
+  row sets FSDP2 forward/backward prefetch of the next decoder layer explicitly, ``+ac`` checkpoints
+  every decoder layer (``activation_checkpointing=True``), ``+ac_keep`` does so keeping the MoE
+  layers' exchanges (``"keep_all_to_all"``), ``+zero2`` keeps
   gathered parameters from forward to backward (``reshard_after_forward=False``), ``+monitor`` adds
   ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); ``@reference``
   (or another of ``_common.VARIANTS``) runs it on the replaced hot-path code.
@@ -277,7 +279,13 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         from lightning_ep import ExpertParallelStrategy, MoEConfig
 
         moe = MoEConfig(moe_load_balancing=args.balancing, moe_all_to_all_dispatcher=base == "ep:a2a")  # type: ignore[arg-type]
-        strategy: Any = ExpertParallelStrategy(degree=world(), moe=moe, reshard_after_forward=option != "zero2")
+        checkpointing = {"ac": True, "ac_keep": "keep_all_to_all"}.get(option, False)
+        strategy: Any = ExpertParallelStrategy(
+            degree=world(),
+            moe=moe,
+            reshard_after_forward=option != "zero2",
+            activation_checkpointing=checkpointing,  # type: ignore[arg-type]
+        )
     elif base == "hf_ep":
         strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world())
     else:

@@ -43,6 +43,20 @@ SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 PARTIAL_SUFFIX = ".partial"
 
 
+def _check_activation_checkpointing(value: Any, moe: MoEConfig) -> None:
+    if not (isinstance(value, bool) or value == "keep_all_to_all"):
+        raise ValueError(
+            f"ExpertParallelStrategy(activation_checkpointing={value!r}): pass True, False or 'keep_all_to_all'."
+        )
+    if value == "keep_all_to_all" and (not moe.moe_all_to_all_dispatcher or moe.capacity_factor is not None):
+        raise ValueError(
+            "ExpertParallelStrategy(activation_checkpointing='keep_all_to_all') keeps the all-to-all dispatcher's "
+            f"exchanges, but MoEConfig has moe_all_to_all_dispatcher={moe.moe_all_to_all_dispatcher}, "
+            f"capacity_factor={moe.capacity_factor}; use the dropless all-to-all dispatcher "
+            "(moe_all_to_all_dispatcher=True, capacity_factor=None) or activation_checkpointing=True."
+        )
+
+
 def _remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path)
@@ -67,7 +81,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             available inside ``configure_model``; pass an int if the module needs it there.
         replicate_degree: HSDP replicate degree ``R``; the world is ``R * E_dp * d`` ranks.
         moe: routing, balancing and dispatch options (``MoEConfig``).
-        activation_checkpointing: recompute each decoder layer in backward.
+        activation_checkpointing: recompute each decoder layer in backward. ``"keep_all_to_all"``
+            also does, but keeps each MoE layer's dispatch plan and exchanged rows from the forward
+            so that the recomputation makes no collective and no host sync (all-to-all dispatcher
+            only; ``M x H + N x H`` more elements per layer held until its backward).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3); ``False`` keeps them
             until backward (ZeRO-2: more memory, fewer all-gathers).
         save_distributed_checkpoint: ``True`` saves one shard per rank (resumable at any degree);
@@ -92,7 +109,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         *,
         replicate_degree: int = 1,
         moe: MoEConfig | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | Literal["keep_all_to_all"] = False,
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = True,
         log_moe_losses: bool = True,
@@ -134,6 +151,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self._degree: int | Literal["auto"] = degree
         self.replicate_degree = replicate_degree
         self.moe = moe if moe is not None else MoEConfig()
+        _check_activation_checkpointing(activation_checkpointing, self.moe)
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
         self.log_moe_losses = log_moe_losses
@@ -270,7 +288,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             enable = getattr(hf_model, "gradient_checkpointing_enable", None)
             if not callable(enable):
                 raise TypeError(
-                    f"ExpertParallelStrategy(activation_checkpointing=True): {type(hf_model).__name__} has no "
+                    f"ExpertParallelStrategy(activation_checkpointing={self.activation_checkpointing!r}): "
+                    f"{type(hf_model).__name__} has no "
                     "gradient_checkpointing_enable(); pass a Hugging Face model or activation_checkpointing=False."
                 )
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -301,6 +320,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         for layer in self._layers():
             layer.loss_scale = scale
             layer.check_finite = self.check_finite
+            layer.keep_all_to_all = self.activation_checkpointing == "keep_all_to_all"
 
     def _layers(self) -> list[MoELayer]:
         return moe_layers(self._hf_model) if self._hf_model is not None else []

@@ -12,10 +12,20 @@ import torch
 import torch.distributed as dist
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+    replay: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Variable-size all-to-all of the rows of ``x``: ``in_splits[j]`` rows go to rank ``j``,
-    ``out_splits[j]`` rows come from rank ``j``. Differentiable."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+    ``out_splits[j]`` rows come from rank ``j``. Differentiable.
+
+    ``replay``: the rows this very exchange received before (an activation-checkpointing
+    recomputation); forward returns them without communicating, backward exchanges as usual.
+    """
+    return _AllToAll.apply(x, out_splits, in_splits, group, replay)
 
 
 class InFlight:
@@ -32,7 +42,12 @@ class InFlight:
         self.work: Any = None
         self.buffers: tuple[torch.Tensor, ...] = ()  # kept alive until the exchange is waited for
 
-    def launch(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    def launch(
+        self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], replay: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if replay is not None:  # the rows are already here (see all_to_all's replay)
+            self.buffers = (replay.view_as(replay),) * 2
+            return self.buffers[1]
         x = x.contiguous()
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         self.work = dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group, async_op=True)
@@ -41,20 +56,25 @@ class InFlight:
 
     def wait(self) -> torch.Tensor:
         """Wait (on CUDA: make the current stream wait) and return the received rows."""
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         out = self.buffers[1]
         self.work, self.buffers = None, ()
         return out
 
 
 def start_all_to_all(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+    replay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, InFlight]:
     """Launch ``all_to_all(x, out_splits, in_splits, group)`` without waiting. Returns a tensor
     that must only be passed to ``finish_all_to_all`` (its rows are still arriving), and the
-    handle. Differentiable."""
+    handle. Differentiable; ``replay`` as in ``all_to_all``."""
     flight = InFlight(out_splits, in_splits, group)
-    return _StartAllToAll.apply(x, flight), flight
+    return _StartAllToAll.apply(x, flight, replay), flight
 
 
 def finish_all_to_all(pending: torch.Tensor, flight: InFlight) -> torch.Tensor:
@@ -96,15 +116,19 @@ def _reduce_scatter_raw(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any, replay: Any
+    ) -> torch.Tensor:
         ctx.splits = (out_splits, in_splits)
         ctx.group = group
+        if replay is not None:
+            return replay.view_as(replay)
         return _all_to_all_raw(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         out_splits, in_splits = ctx.splits
-        return _all_to_all_raw(grad, in_splits, out_splits, ctx.group), None, None, None
+        return _all_to_all_raw(grad, in_splits, out_splits, ctx.group), None, None, None, None
 
 
 class _AllGather(torch.autograd.Function):
@@ -131,15 +155,15 @@ class _ReduceScatter(torch.autograd.Function):
 
 class _StartAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, flight: InFlight) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, flight: InFlight, replay: torch.Tensor | None) -> torch.Tensor:
         ctx.flight = flight
-        return flight.launch(x, flight.out_splits, flight.in_splits)
+        return flight.launch(x, flight.out_splits, flight.in_splits, replay)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # ``grad`` only passes control: the gradient is what _FinishAllToAll.backward's reverse
         # exchange is still writing.
-        return ctx.flight.wait(), None
+        return ctx.flight.wait(), None, None
 
 
 class _FinishAllToAll(torch.autograd.Function):

@@ -44,12 +44,44 @@ class AllToAllDispatcher:
         self.num_local_experts = num_experts // self.degree
         self.max_tokens_per_rank = max_tokens_per_rank
 
-    def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:
+    #: ``dispatch`` takes ``keep`` (see ``KeptExchange``).
+    keeps_exchanges = True
+
+    def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, keep: KeptExchange | None = None) -> Dispatched:
+        """Rows for the local experts, still travelling when this returns.
+
+        ``keep``: an empty ``KeptExchange`` records this dispatch (and its combine); a complete one
+        replays them: the plan and the received rows are reused and nothing is exchanged forward,
+        while backward exchanges gradients as usual.
+        """
+        replay = keep is not None and keep.complete
+        if replay:
+            assert keep is not None and keep.plan is not None
+            plan = keep.plan
+        else:
+            plan = self._plan(expert_ids_TK)
+            if keep is not None:
+                keep.plan = plan
+        send_splits, recv_splits = plan["splits"]
+        x_NH = gather_rows(x_TH, plan["order_N"], expert_ids_TK.shape[1], plan["inverse_N"])
+        received = keep.received if replay and keep is not None else None
+        pending_MH, flight = start_all_to_all(x_NH, recv_splits, send_splits, self.group, received)
+
+        def arrive() -> torch.Tensor:
+            rows_MH = finish_all_to_all(pending_MH, flight)
+            if keep is not None and not replay:
+                keep.received = rows_MH.detach()
+            # Received rows are ordered (source rank, local expert); regroup them by local expert.
+            return permute_rows(rows_MH, plan["regroup_M"], plan["unregroup_M"])
+
+        state = {**plan, "keep": keep, "replay": replay}
+        return Dispatched(None, plan["counts_L"], plan["counts_E"], state, arrive=arrive)
+
+    def _plan(self, expert_ids_TK: torch.Tensor) -> dict:
+        """Sort order, split sizes (the one host sync) and regrouping of one dispatch."""
         D, L = self.degree, self.num_local_experts
         order_N, counts_E = sort_by_expert(expert_ids_TK, self.num_experts)
         inverse_N = inverse_permutation(order_N)
-        x_NH = gather_rows(x_TH, order_N, expert_ids_TK.shape[1], inverse_N)
-
         if self.max_tokens_per_rank is None:
             # recv_DL[s, l]: rows that rank s sends to my local expert l.
             recv_DL = torch.empty_like(counts_E)
@@ -67,33 +99,45 @@ class AllToAllDispatcher:
             splits = torch.cat([counts_E.view(D, L).sum(1), recv_DL.sum(1), load_D]).tolist()
             _check_budget(splits[2 * D :], self.max_tokens_per_rank)
         send_splits, recv_splits = splits[:D], splits[D : 2 * D]
-
-        pending_MH, flight = start_all_to_all(x_NH, recv_splits, send_splits, self.group)
-        # Received rows are ordered (source rank, local expert); regroup them by local expert.
         segment_M = torch.repeat_interleave(
             torch.arange(D * L, device=recv_DL.device), recv_DL.reshape(-1), output_size=sum(recv_splits)
         )
         regroup_M = torch.argsort(segment_M % L, stable=True)
-        unregroup_M = inverse_permutation(regroup_M)
-
-        def arrive() -> torch.Tensor:
-            return permute_rows(finish_all_to_all(pending_MH, flight), regroup_M, unregroup_M)
-
-        state = {
+        return {
             "order_N": order_N,
             "inverse_N": inverse_N,
             "regroup_M": regroup_M,
-            "unregroup_M": unregroup_M,
+            "unregroup_M": inverse_permutation(regroup_M),
             "splits": (send_splits, recv_splits),
+            "counts_L": recv_DL.sum(0),
+            "counts_E": counts_E,
         }
-        return Dispatched(None, recv_DL.sum(0), counts_E, state, arrive=arrive)
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         state = dispatched.state
         send_splits, recv_splits = state["splits"]
+        keep, replay = state["keep"], state["replay"]
         y_recv_MH = permute_rows(y_MH, state["unregroup_M"], state["regroup_M"])
-        y_NH = all_to_all(y_recv_MH, send_splits, recv_splits, self.group)
+        y_NH = all_to_all(y_recv_MH, send_splits, recv_splits, self.group, keep.combined if replay else None)
+        if keep is not None and not replay:
+            keep.combined = y_NH.detach()
         return weighted_unsort(y_NH, state["inverse_N"], state["order_N"], weights_TK)
+
+
+class KeptExchange:
+    """What one all-to-all dispatch and its combine keep so that an activation-checkpointing
+    recomputation of the layer skips the count exchange, the host sync and both token exchanges:
+    the plan (sort order, split sizes, regrouping) and the rows each exchange received, ``M x H``
+    and ``N x H`` elements held from the forward until the recomputation."""
+
+    def __init__(self) -> None:
+        self.plan: dict | None = None
+        self.received: torch.Tensor | None = None
+        self.combined: torch.Tensor | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.plan is not None and self.received is not None and self.combined is not None
 
 
 def _check_budget(load_D: list[int], budget: int) -> None:

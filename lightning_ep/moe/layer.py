@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_ep.moe.config import MoEConfig
-from lightning_ep.moe.dispatch import Dispatcher
+from lightning_ep.moe.dispatch import Dispatcher, LocalDispatcher
 from lightning_ep.moe.dispatchers import make_dispatcher
 from lightning_ep.moe.experts import GroupedExperts
 from lightning_ep.moe.experts_variants import InterleavedGLUExperts
@@ -22,10 +22,11 @@ from lightning_ep.moe.rng import DrawCounter, in_backward, make_generator
 from lightning_ep.moe.router import TopKRouter
 
 if TYPE_CHECKING:
-    from lightning_ep.moe.dispatch_ep import TokenShuffle
+    from lightning_ep.moe.dispatch_ep import KeptExchange, TokenShuffle
 
 _JITTER_STREAM = 0
 _SHUFFLE_STREAM = 1
+_MAX_KEPT = 4  # KeptExchange entries per layer awaiting their recomputation
 # The layer's roles for its children; ``MoELayer(child_names=...)`` maps them to Hugging Face names.
 _ROLES = {"gate": "gate", "shared_experts": "shared_experts", "shared_experts_gate": "shared_experts_gate"}
 
@@ -47,6 +48,12 @@ class MoELayer(nn.Module):
     dispatch and the first use of its rows, so the exchange overlaps them in forward, and the
     reverse exchange overlaps their backward; ``False`` runs them after the rows arrived. Both
     compute the same numbers.
+
+    ``keep_all_to_all`` (all-to-all dispatcher only; ``ExpertParallelStrategy(activation_checkpointing=
+    "keep_all_to_all")`` sets it): each training forward keeps its dispatch plan and the rows both
+    exchanges received (``KeptExchange``), and the activation-checkpointing recomputation of that
+    forward reuses them instead of exchanging counts, reading split sizes back and exchanging rows
+    again. Same numbers; ``M x H + N x H`` more elements held per layer until its recomputation.
 
     After each forward the layer holds, for logging and balancing:
 
@@ -102,6 +109,8 @@ class MoELayer(nn.Module):
         self.layer_index = layer_index
         self.loss_scale = 1.0
         self.overlap_shared = True
+        self.keep_all_to_all = False
+        self._kept: dict[int, KeptExchange] = {}
         self.dispatcher: Dispatcher = make_dispatcher(config, gate.num_experts)
         # A TokenShuffle when global_token_shuffle is on under expert parallelism.
         self.shuffle: TokenShuffle | None = None
@@ -147,8 +156,11 @@ class MoELayer(nn.Module):
             x_TH, shuffle_state = self.shuffle.shuffle(x_TH, generator)
 
         routing = self.gate(x_TH)
+        keep = self._exchange_to_keep(draw_id)
         if getattr(self.dispatcher, "takes_weights", False):  # capacity: "probs" ranks rows by weight
             dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK, routing.weights_TK)  # type: ignore[call-arg]
+        elif keep is not None:
+            dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK, keep=keep)  # type: ignore[call-arg]
         else:
             dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK)
         if "tokens_dropped" in dispatched.state:
@@ -197,6 +209,27 @@ class MoELayer(nn.Module):
         aux_weight = self.config.moe_aux_loss_coeff * self.loss_scale if self.config.aux_loss_active else 0.0
         z_weight = self.config.moe_z_loss_coeff * self.loss_scale if self.config.z_loss_active else 0.0
         return attach_losses(out_TH, [aux, zl], [aux_weight, z_weight])
+
+    def _exchange_to_keep(self, draw_id: int) -> KeptExchange | None:
+        """With ``keep_all_to_all``: a new ``KeptExchange`` for a training forward, the one it
+        recorded for that forward's activation-checkpointing recomputation (inside backward)."""
+        if not (self.keep_all_to_all and draw_id >= 0 and torch.is_grad_enabled()):
+            return None
+        if isinstance(self.dispatcher, LocalDispatcher):
+            return None  # one process: nothing is exchanged
+        if not getattr(self.dispatcher, "keeps_exchanges", False):
+            raise ValueError(
+                f"MoELayer.keep_all_to_all needs the all-to-all dispatcher, got {type(self.dispatcher).__name__}; "
+                "set MoEConfig(moe_all_to_all_dispatcher=True, capacity_factor=None) or keep_all_to_all=False."
+            )
+        if in_backward():
+            return self._kept.pop(draw_id, None)
+        from lightning_ep.moe.dispatch_ep import KeptExchange
+
+        keep = self._kept[draw_id] = KeptExchange()
+        while len(self._kept) > _MAX_KEPT:  # forwards that were never recomputed
+            del self._kept[next(iter(self._kept))]
+        return keep
 
     def _shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' output ``[T, H]`` (gated if there is a gate), or ``None``."""

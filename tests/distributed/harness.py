@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,6 +37,12 @@ def _entry(rank: int, world: int, store: str, backend: str, fn: Callable[..., An
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    # The worker passed. Leave without interpreter finalization: a gloo worker thread that still
+    # holds a finished FSDP2 all-gather's tensors can try to take the GIL while Python finalizes and
+    # abort the process (pytorch/pytorch#190489; seen here under activation checkpointing).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -179,7 +180,13 @@ def run_trainer(args: argparse.Namespace) -> dict:
     data = DataLoader(Tokens(args.samples), batch_size=args.batch, shuffle=False, drop_last=True)
     trainer.fit(module, data, ckpt_path=args.resume)
     checkpointed = getattr(module.model, "is_gradient_checkpointing", False)
-    return {"losses": module.losses, "degree": strategy.degree, "checkpointed": bool(checkpointed)}
+    kept = [bool(layer.keep_all_to_all and not layer._kept) for layer in lightning_ep.moe_layers(module.model)]
+    return {
+        "losses": module.losses,
+        "degree": strategy.degree,
+        "checkpointed": bool(checkpointed),
+        "keep_all_to_all": bool(kept) and all(kept),  # set on every layer, nothing left pending
+    }
 
 
 def run_reference(args: argparse.Namespace) -> dict:
@@ -229,7 +236,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--full-checkpoint", action="store_true")
-    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument(
+        "--activation-checkpointing", nargs="?", const=True, default=False, help="bare: True; or keep_all_to_all"
+    )
     parser.add_argument("--save-at", default="2", help="comma-separated optimizer steps")
     parser.add_argument("--slow-save-from", type=int, default=None)
     parser.add_argument("--poison-step", type=int, default=-1)
@@ -245,6 +254,13 @@ def main() -> None:
     result = run_reference(args) if args.reference else run_trainer(args)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(result))
+    # Done: leave without interpreter finalization, where a gloo worker thread still holding a finished
+    # FSDP2 all-gather's tensors can abort the process (pytorch/pytorch#190489; see tests/distributed/harness.py).
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -90,13 +90,15 @@ def test_finetune_from_hf_folder_matches_reference(runs: dict) -> None:
         (("--degree", "auto"), 4),
         (("--degree", "2", "--replicate", "2"), 2),
         (("--degree", "2", "--activation-checkpointing"), 2),
+        (("--degree", "2", "--activation-checkpointing", "keep_all_to_all"), 2),
     ],
-    ids=["degree1", "auto-is-4", "degree2-replicate2", "degree2-activation-checkpointing"],
+    ids=["degree1", "auto-is-4", "degree2-replicate2", "degree2-activation-checkpointing", "degree2-keep-all-to-all"],
 )
 def test_every_layout_matches_reference(runs: dict, args: tuple[str, ...], degree: int) -> None:
     result = run(runs["tmp"], "layout-" + "-".join(args).replace("--", ""), *args)
     assert result["degree"] == degree
     assert result["checkpointed"] == ("--activation-checkpointing" in args)
+    assert result["keep_all_to_all"] == ("keep_all_to_all" in args)
     assert_close(result["losses"], runs["ref"]["losses"])
 
 

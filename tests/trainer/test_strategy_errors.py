@@ -148,6 +148,22 @@ def test_smp_moe_false_trains_the_models_own_blocks(single_process) -> None:
         ({"degree": "three"}, ValueError, r"degree='three'\): pass an int >= 1"),
         ({"replicate_degree": 0}, ValueError, r"replicate_degree=0\): pass an int >= 1"),
         ({"moe": {"moe_load_balancing": "none"}}, TypeError, "moe=...\\) must be a MoEConfig, got dict"),
+        (
+            {"activation_checkpointing": "selective"},
+            ValueError,
+            r"activation_checkpointing='selective'\): pass True, False or 'keep_all_to_all'",
+        ),
+        (
+            {"activation_checkpointing": "keep_all_to_all", "moe": MoEConfig(moe_all_to_all_dispatcher=False)},
+            ValueError,
+            r"keeps the all-to-all dispatcher's exchanges, but MoEConfig has moe_all_to_all_dispatcher=False, "
+            r"capacity_factor=None; use the dropless all-to-all dispatcher",
+        ),
+        (
+            {"activation_checkpointing": "keep_all_to_all", "moe": MoEConfig(capacity_factor=1.0)},
+            ValueError,
+            r"moe_all_to_all_dispatcher=True, capacity_factor=1.0; use the dropless",
+        ),
     ],
 )
 def test_constructor_arguments(kwargs: dict, error: type, message: str) -> None:
