@@ -32,7 +32,7 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict
     return loss.detach(), calls
 
 
-def run_keep_all_to_all(rank: int, world: int, shuffle: bool, device: str = "cpu") -> None:
+def run_keep_all_to_all(rank: int, world: int, shuffle: bool, device: str = "cpu", model_type: str = "mixtral") -> None:
     """Degree 2, every decoder layer checkpointed: keeping the exchanges gives bitwise the loss and
     gradients of recomputing them (on CUDA within 1e-5: attention's backward need not be
     deterministic), and the recomputation issues no forward exchange (only the backward's two per
@@ -41,7 +41,12 @@ def run_keep_all_to_all(rank: int, world: int, shuffle: bool, device: str = "cpu
     if device == "cuda":
         device = f"cuda:{rank}"
         torch.backends.cuda.matmul.allow_tf32 = False
-    base = tiny_mixtral(router_jitter_noise=0.1).to(device)
+    if model_type == "mixtral":
+        base = tiny_mixtral(router_jitter_noise=0.1).to(device)
+    else:  # a family with shared experts: they also run inside the (replayed) exchange's window
+        from families_workers import tiny_family
+
+        base = tiny_family(model_type).to(device)
     config = MoEConfig(moe_load_balancing="aux_loss", global_token_shuffle=shuffle)
     results = []
     for keep in (False, True):
