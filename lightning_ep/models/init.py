@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_ep.moe.experts import GroupedExperts
-from lightning_ep.moe.experts_variants import InterleavedGLUExperts
+from lightning_ep.moe.experts import RoutedExperts
 from lightning_ep.moe.router import TopKRouter
 
 
@@ -31,7 +30,7 @@ def init_moe_weights(model: nn.Module) -> None:
                 module.selection_bias.zero_()
             if module.mode == "balanced":
                 module.pending_load.zero_()
-        elif isinstance(module, (GroupedExperts, InterleavedGLUExperts)):
+        elif isinstance(module, RoutedExperts):
             for name, param in module.named_parameters(recurse=False):
                 if name.endswith("_bias"):
                     nn.init.zeros_(param)

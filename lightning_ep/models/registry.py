@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_ep.moe.config import MoEConfig
-from lightning_ep.moe.experts import GroupedExperts
+from lightning_ep.moe.experts import GroupedExperts, RoutedExperts
 from lightning_ep.moe.experts_variants import InterleavedGLUExperts
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.moe.router import Scoring, TopKRouter
@@ -152,7 +152,7 @@ class MoEFamily:
         layer._modules = dict(sorted(layer._modules.items(), key=lambda item: order.get(item[0], len(order))))
         return layer
 
-    def _build_experts(self, block: nn.Module, hf_config: Any) -> GroupedExperts | InterleavedGLUExperts:
+    def _build_experts(self, block: nn.Module, hf_config: Any) -> RoutedExperts:
         if self.expert_layout == "interleaved":
             return InterleavedGLUExperts(
                 block.get_parameter(self.gate_up_proj),

@@ -5,7 +5,7 @@ Nothing here imports Lightning or transformers; process groups are passed in by 
 
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.dispatch import Dispatched, Dispatcher, LocalDispatcher
-from lightning_ep.moe.experts import GroupedExperts
+from lightning_ep.moe.experts import GroupedExperts, RoutedExperts
 from lightning_ep.moe.experts_variants import InterleavedGLUExperts
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.moe.losses import load_balancing_loss, z_loss
@@ -19,6 +19,7 @@ __all__ = [
     "LocalDispatcher",
     "MoEConfig",
     "MoELayer",
+    "RoutedExperts",
     "Routing",
     "TopKRouter",
     "load_balancing_loss",

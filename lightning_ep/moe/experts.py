@@ -11,7 +11,7 @@ weights are DTensors sharded on the expert dim; the local shard is what this mod
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -77,7 +77,7 @@ def with_grad_scale(
     return fn(x_NH, *(scale_grad(w, scale) for w in weights))
 
 
-def compute_weights(weights: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+def compute_weights(weights: Sequence[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
     """The local shards of ``weights``, cast (differentiably) to ``dtype`` unless it is ``None``."""
     local = [local_tensor(w) for w in weights]
     if dtype is None:
@@ -117,7 +117,44 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(dim % align == 0 for w in weights for dim in w.shape[1:])
 
 
-class GroupedExperts(nn.Module):
+class RoutedExperts(nn.Module):
+    """What every routed-experts module shares: the 3-D ``gate_up_proj`` whose dim 0 is the global
+    expert count, ``use_grouped_mm``, ``grad_scale`` and ``compute_dtype`` (see ``GroupedExperts``),
+    and ``run``, which casts the local weight shards, picks the grouped GEMM or the per-expert loop
+    and applies the gradient scale."""
+
+    gate_up_proj: nn.Parameter
+
+    def __init__(self, use_grouped_mm: bool | None) -> None:
+        super().__init__()
+        self.use_grouped_mm = use_grouped_mm
+        self.grad_scale = 1.0
+        self.compute_dtype: torch.dtype | None = None
+
+    @property
+    def num_experts(self) -> int:
+        """Global number of experts (the first dim of the global weight shape)."""
+        return self.gate_up_proj.shape[0]
+
+    def run(
+        self,
+        x_NH: torch.Tensor,
+        counts_L: torch.Tensor,
+        params: Sequence[torch.Tensor],
+        gemm_weights: tuple[int, int],
+        grouped: Callable[..., torch.Tensor],
+        loop: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:
+        """``grouped(x_NH, counts_L, *weights)`` or ``loop(...)`` on the local shards of ``params``
+        (cast to ``compute_dtype``), with every weight's gradient multiplied by ``grad_scale``.
+        ``gemm_weights``: the positions in ``params`` of the two matrices the GEMMs multiply by."""
+        weights = compute_weights(params, self.compute_dtype)
+        i, j = gemm_weights
+        fn = grouped if use_grouped(x_NH, counts_L, weights[i], weights[j], self.use_grouped_mm) else loop
+        return with_grad_scale(lambda x, *w: fn(x, counts_L, *w), x_NH, weights, self.grad_scale)
+
+
+class GroupedExperts(RoutedExperts):
     """The routed experts of one MoE layer. Owns ``gate_up_proj`` and ``down_proj`` (the very same
     ``Parameter`` objects as the Hugging Face experts module it replaces).
 
@@ -146,7 +183,7 @@ class GroupedExperts(nn.Module):
         *,
         use_grouped_mm: bool | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(use_grouped_mm)
         if gate_up_proj.ndim != 3 or down_proj.ndim != 3:
             raise ValueError(
                 f"expert weights must be 3-D, got gate_up_proj {tuple(gate_up_proj.shape)} and "
@@ -165,14 +202,6 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
         self.act_fn = act_fn
-        self.use_grouped_mm = use_grouped_mm
-        self.grad_scale = 1.0
-        self.compute_dtype: torch.dtype | None = None
-
-    @property
-    def num_experts(self) -> int:
-        """Global number of experts (the first dim of the global weight shape)."""
-        return self.gate_up_proj.shape[0]
 
     def forward(self, x_NH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         """Run each local expert on its contiguous block of rows.
@@ -183,10 +212,14 @@ class GroupedExperts(nn.Module):
         Returns:
             ``[N, H]`` expert outputs, in the order of ``x_NH``.
         """
-        w1_LFH, w2_LHI = compute_weights([self.gate_up_proj, self.down_proj], self.compute_dtype)  # F = 2I
-        run = _grouped_forward if use_grouped(x_NH, counts_L, w1_LFH, w2_LHI, self.use_grouped_mm) else _loop_forward
-        return with_grad_scale(
-            lambda x, w1, w2: run(x, counts_L, w1, w2, self.act_fn), x_NH, [w1_LFH, w2_LHI], self.grad_scale
+        act_fn = self.act_fn
+        return self.run(
+            x_NH,
+            counts_L,
+            [self.gate_up_proj, self.down_proj],
+            (0, 1),
+            lambda x, counts, w1, w2: _grouped_forward(x, counts, w1, w2, act_fn),
+            lambda x, counts, w1, w2: _loop_forward(x, counts, w1, w2, act_fn),
         )
 
 

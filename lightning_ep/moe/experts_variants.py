@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_ep.moe.experts import GROUPED_MM, compute_weights, use_grouped, with_grad_scale
+from lightning_ep.moe.experts import GROUPED_MM, RoutedExperts
 
 
-class InterleavedGLUExperts(nn.Module):
+class InterleavedGLUExperts(RoutedExperts):
     """GPT-OSS's routed experts. Owns ``gate_up_proj``, ``gate_up_proj_bias``, ``down_proj`` and
     ``down_proj_bias``: the very same ``Parameter`` objects, under the same names, as the Hugging
     Face ``GptOssExperts`` module it replaces.
@@ -54,7 +54,7 @@ class InterleavedGLUExperts(nn.Module):
         limit: float,
         use_grouped_mm: bool | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(use_grouped_mm)
         if gate_up_proj.ndim != 3 or gate_up_proj.shape[2] % 2:
             raise ValueError(
                 f"gate_up_proj must be [E, H, 2I] with interleaved gate/up columns, got {tuple(gate_up_proj.shape)}."
@@ -77,14 +77,6 @@ class InterleavedGLUExperts(nn.Module):
         self.down_proj_bias = down_proj_bias
         self.alpha = float(alpha)
         self.limit = float(limit)
-        self.use_grouped_mm = use_grouped_mm
-        self.grad_scale = 1.0
-        self.compute_dtype: torch.dtype | None = None
-
-    @property
-    def num_experts(self) -> int:
-        """Global number of experts (the first dim of the global weight shape)."""
-        return self.gate_up_proj.shape[0]
 
     def glu(self, h_NF: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU on interleaved ``[..., 2I]`` pre-activations -> ``[..., I]``."""
@@ -101,12 +93,8 @@ class InterleavedGLUExperts(nn.Module):
         Returns:
             ``[N, H]`` expert outputs, in the order of ``x_NH``.
         """
-        weights = compute_weights(
-            [self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias], self.compute_dtype
-        )
-        grouped = use_grouped(x_NH, counts_L, weights[0], weights[2], self.use_grouped_mm)
-        run = self._grouped_forward if grouped else self._loop_forward
-        return with_grad_scale(lambda x, *w: run(x, counts_L, *w), x_NH, weights, self.grad_scale)
+        params = [self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias]
+        return self.run(x_NH, counts_L, params, (0, 2), self._grouped_forward, self._loop_forward)
 
     def _grouped_forward(
         self,

@@ -15,8 +15,7 @@ from torch import nn
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.dispatch import Dispatcher, LocalDispatcher
 from lightning_ep.moe.dispatchers import make_dispatcher
-from lightning_ep.moe.experts import GroupedExperts
-from lightning_ep.moe.experts_variants import InterleavedGLUExperts
+from lightning_ep.moe.experts import RoutedExperts
 from lightning_ep.moe.losses import attach_losses, load_balancing_loss, z_loss
 from lightning_ep.moe.rng import DrawCounter, in_backward, make_generator
 from lightning_ep.moe.router import TopKRouter
@@ -84,7 +83,7 @@ class MoELayer(nn.Module):
     def __init__(
         self,
         gate: TopKRouter,
-        experts: GroupedExperts | InterleavedGLUExperts,
+        experts: RoutedExperts,
         config: MoEConfig,
         *,
         jitter_noise: float = 0.0,
