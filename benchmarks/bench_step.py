@@ -17,7 +17,9 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   all-to-all or all-gather dispatcher (degree 1 when run on one GPU). ``+prefetch`` appended to a
   row sets FSDP2 forward/backward prefetch of the next decoder layer explicitly, ``+ac`` checkpoints
   every decoder layer (``activation_checkpointing=True``), ``+ac_keep`` does so keeping the MoE
-  layers' exchanges (``"keep_all_to_all"``), ``+zero2`` keeps
+  layers' exchanges (``"keep_all_to_all"``), ``+compile`` compiles the dense parts of each decoder
+  layer (``compile_layers=True``; on a baseline row the same ``compile_blocks``, its MoE block
+  included), ``+zero2`` keeps
   gathered parameters from forward to backward (``reshard_after_forward=False``), ``+monitor`` adds
   ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); ``@reference``
   (or another of ``_common.VARIANTS``) runs it on the replaced hot-path code.
@@ -81,7 +83,14 @@ def hf_config(shape: Shape, seq: int) -> Any:
 
 
 def make_module(
-    row: str, shape: Shape, seq: int, pretrained: str | None, lr: float, prefetch: bool, optimizer: str
+    row: str,
+    shape: Shape,
+    seq: int,
+    pretrained: str | None,
+    lr: float,
+    prefetch: bool,
+    optimizer: str,
+    compile_layers: bool = False,
 ) -> Any:
     from lightning.pytorch import LightningModule
 
@@ -112,6 +121,10 @@ def make_module(
                 )
             if row in ("eager", "grouped_mm"):
                 shard_baseline(model, self.device_mesh["data_parallel"], self.device)
+                if compile_layers:
+                    from lightning_ep.parallel.compile import compile_blocks
+
+                    compile_blocks(model.model.layers)
             self.model = model
 
         def on_fit_start(self) -> None:
@@ -119,7 +132,7 @@ def make_module(
                 set_prefetch(self.model)
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-            return self.model(input_ids=batch, labels=batch).loss
+            return self.model(input_ids=batch, labels=batch, use_cache=False).loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             if row == "hf_ep":  # HF 5.17's EP mixes plain tensors and DTensors: foreach / fused fail there
@@ -284,6 +297,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
             degree=world(),
             moe=moe,
             reshard_after_forward=option != "zero2",
+            compile_layers=option == "compile",
             activation_checkpointing=checkpointing,  # type: ignore[arg-type]
         )
     elif base == "hf_ep":
@@ -315,7 +329,14 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         limit_val_batches=0,
     )
     module = make_module(
-        base, shape, args.seq, pretrained, args.lr, prefetch=option == "prefetch", optimizer=args.optimizer
+        base,
+        shape,
+        args.seq,
+        pretrained,
+        args.lr,
+        prefetch=option == "prefetch",
+        optimizer=args.optimizer,
+        compile_layers=option == "compile",
     )
     steps = args.warmup + args.steps + 1
     data = torch.utils.data.DataLoader(_Tokens(steps * batch * world(), args.seq, shape.vocab), batch_size=batch)
@@ -412,7 +433,8 @@ def main() -> None:
         base, _, option = spec.partition("+")
         label = ROW_LABELS.get(base, base) + (f" + {option}" if option else "") + (f" [{code} code]" if code else "")
         if base.startswith("ep:"):
-            label = label if world() > 1 else "(d) lightning_ep (local dispatch)"
+            if world() == 1:
+                label = "(d) lightning_ep (local dispatch)" + (f" + {option}" if option else "")
             label += f", degree {world()}"
         log(f"--- {label}")
         try:

@@ -20,8 +20,12 @@ if TYPE_CHECKING:
 class StepChecks:
     """Per-step MoE losses and non-finite flags, averaged over ranks with one all-reduce.
 
-    ``after_forward`` runs after each ``training_step``; ``raise_if_nonfinite`` once the closure
+    ``after_forward`` runs after each ``training_step``; ``before_optimizer_step`` once the closure
     (forward and backward) has been launched, before the optimizer step (see ``check_before_step``).
+    Under automatic optimization the losses are logged there, averaged over the step's micro-batches:
+    the host then logs while the GPU still runs the backward, instead of between forward and
+    backward, where the GPU has nothing queued. The flags' copy to the host is queued right after the
+    forward's all-reduce, so reading them does not wait for the backward either.
 
     Args:
         check_finite: keep the layers' non-finite flags and raise on one.
@@ -33,11 +37,17 @@ class StepChecks:
         self.log_losses = log_losses
         # Max over the micro-batches since the last check of the all-reduced per-layer flags.
         self._nonfinite: torch.Tensor | None = None
+        # Its host copy, queued after the forward, and (CUDA) the event that marks the copy done.
+        self._nonfinite_host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+        # Sum over the micro-batches since the last optimizer step of the averaged [aux..., z...].
+        self._losses: torch.Tensor | None = None
+        self._micro_batches = 0
 
     def after_forward(self, layers: list[MoELayer], module: pl.LightningModule, device: torch.device) -> None:
         """Average the per-layer losses and non-finite flags over ranks (one all-reduce, no host
-        sync), keep the flags, and log the losses. Under manual optimization the flags are read at
-        once (the optimizer steps ran inside ``training_step``)."""
+        sync) and keep them. Under manual optimization (the optimizer steps ran inside
+        ``training_step``) the flags are read and the losses logged at once."""
         if not layers or not (self.check_finite or self.log_losses):
             return
         n = len(layers)
@@ -48,24 +58,58 @@ class StepChecks:
             # A plain all-reduce: no barrier and no host sync (unlike Lightning's sync_ddp).
             dist.all_reduce(stacked)
             stacked = stacked / world
-        aux, z, nonfinite = stacked[:n], stacked[n : 2 * n], stacked[2 * n :]
+        losses, nonfinite = stacked[: 2 * n], stacked[2 * n :]
         if self.check_finite:
             self._nonfinite = nonfinite if self._nonfinite is None else torch.maximum(self._nonfinite, nonfinite)
-            if not module.automatic_optimization:
-                self.raise_if_nonfinite(module)
-        if not self.log_losses:
+            self._copy_flags_to_host()
+        if self.log_losses:
+            self._losses = losses if self._losses is None else self._losses + losses
+            self._micro_batches += 1
+        if not module.automatic_optimization:
+            self.before_optimizer_step(module)
+
+    def before_optimizer_step(self, module: pl.LightningModule | None) -> None:
+        """Raise on a non-finite flag, then log the losses kept since the last optimizer step."""
+        self.raise_if_nonfinite(module)
+        losses, count = self._losses, self._micro_batches
+        self._losses, self._micro_batches = None, 0
+        if losses is None or module is None:
             return
+        n = losses.shape[0] // 2
+        aux, z = losses[:n] / count, losses[n:] / count
         metrics = {"moe/aux_loss": aux.sum(), "moe/z_loss": z.sum()}
         module.log_dict(metrics, prog_bar=True, sync_dist=False, on_step=True, on_epoch=False)
         per_layer = {f"moe/layer_{i}/aux_loss": aux[i] for i in range(n)}
         per_layer |= {f"moe/layer_{i}/z_loss": z[i] for i in range(n)}
         module.log_dict(per_layer, sync_dist=False, on_step=True, on_epoch=False)
 
+    def _copy_flags_to_host(self) -> None:
+        """Queue the flags' copy to the host now, so that reading them later waits for the forward
+        only (a read after the backward was launched would wait for the whole backward)."""
+        flags = self._nonfinite
+        assert flags is not None
+        if flags.device.type != "cuda":
+            self._nonfinite_host, self._copied = flags, None
+            return
+        host = self._nonfinite_host
+        if host is None or host.shape != flags.shape or not host.is_pinned():
+            host = self._nonfinite_host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        elif self._copied is not None:
+            self._copied.synchronize()  # the previous micro-batch's copy into the same buffer
+        host.copy_(flags, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
     def raise_if_nonfinite(self, module: pl.LightningModule | None) -> None:
         """Raise if a training forward since the last check had a non-finite value on any rank (one
         host read of the flags, which every rank has after the all-reduce)."""
-        flags, self._nonfinite = self._nonfinite, None
-        if flags is None or not bool(flags.any()):
+        flags, copied = self._nonfinite_host, self._copied
+        self._nonfinite = self._nonfinite_host = self._copied = None
+        if flags is None:
+            return
+        if copied is not None:
+            copied.synchronize()
+        if not bool(flags.any()):
             return
         bad = [i for i, flag in enumerate(flags.tolist()) if flag > 0]
         step = module.trainer.global_step if module is not None and module._trainer is not None else -1
@@ -77,12 +121,12 @@ class StepChecks:
 
 
 def check_before_step(plugin: Any, checks: StepChecks) -> None:
-    """Run ``checks.raise_if_nonfinite`` after the closure (forward and backward launched), before
+    """Run ``checks.before_optimizer_step`` after the closure (forward and backward launched), before
     the optimizer step: every Lightning precision plugin calls ``_after_closure`` there."""
     after_closure = plugin._after_closure
 
     def checked(model: pl.LightningModule, optimizer: Any) -> None:
-        checks.raise_if_nonfinite(model)
+        checks.before_optimizer_step(model)
         after_closure(model, optimizer)
 
     plugin._after_closure = checked

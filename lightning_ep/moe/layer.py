@@ -141,6 +141,10 @@ class MoELayer(nn.Module):
     def top_k(self) -> int:
         return self.gate.top_k
 
+    # Eager under torch.compile: the dispatch reads split sizes back to the host and the fast paths
+    # are Triton kernels behind custom autograd functions; a compiled decoder layer breaks its graph
+    # here (see ``lightning_ep.parallel.compile``).
+    @torch.compiler.disable
     def forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` in, same shape out."""
         shape = hidden_BSH.shape

@@ -73,6 +73,7 @@ class Module(LightningModule):
         self.pretrained = pretrained
         self.model: torch.nn.Module | None = None
         self.losses: list[float] = []
+        self.aux_losses: list[list[float]] = []  # per micro-batch: each MoE layer's aux loss, mean over ranks
         self.poison_step = -1
         self.poisoned = False
 
@@ -104,6 +105,9 @@ class Module(LightningModule):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         self.losses.append(mean.item() / dist.get_world_size())
+        aux = torch.stack([layer.aux_loss for layer in lightning_ep.moe_layers(self.model)])
+        dist.all_reduce(aux)
+        self.aux_losses.append((aux / dist.get_world_size()).tolist())
         return loss
 
     def configure_optimizers(self):
@@ -151,6 +155,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
         save_distributed_checkpoint=not args.full_checkpoint,
         deterministic=args.deterministic,
         activation_checkpointing=args.activation_checkpointing,
+        compile_layers=args.compile,
         process_group_backend="gloo",
         timeout=timedelta(seconds=120),
     )
@@ -181,8 +186,16 @@ def run_trainer(args: argparse.Namespace) -> dict:
     trainer.fit(module, data, ckpt_path=args.resume)
     checkpointed = getattr(module.model, "is_gradient_checkpointing", False)
     kept = [bool(layer.keep_all_to_all and not layer._kept) for layer in lightning_ep.moe_layers(module.model)]
+    from torch._dynamo.utils import counters
+
+    from lightning_ep.parallel.compile import is_compiled
+    from lightning_ep.parallel.fsdp import decoder_blocks
+
     return {
+        "compiled_blocks": sum(is_compiled(block) for block in decoder_blocks(module.model)),
+        "compiled_graphs": counters["stats"]["unique_graphs"],
         "losses": module.losses,
+        "aux_losses": module.aux_losses,
         "degree": strategy.degree,
         "checkpointed": bool(checkpointed),
         "keep_all_to_all": bool(kept) and all(kept),  # set on every layer, nothing left pending
@@ -243,6 +256,7 @@ def main() -> None:
     parser.add_argument("--slow-save-from", type=int, default=None)
     parser.add_argument("--poison-step", type=int, default=-1)
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="ExpertParallelStrategy(compile_layers=True)")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--save-to", default=None)
     parser.add_argument("--resume", default=None)

@@ -91,14 +91,27 @@ def test_finetune_from_hf_folder_matches_reference(runs: dict) -> None:
         (("--degree", "2", "--replicate", "2"), 2),
         (("--degree", "2", "--activation-checkpointing"), 2),
         (("--degree", "2", "--activation-checkpointing", "keep_all_to_all"), 2),
+        (("--degree", "2", "--compile"), 2),
+        (("--degree", "2", "--activation-checkpointing", "keep_all_to_all", "--compile"), 2),
     ],
-    ids=["degree1", "auto-is-4", "degree2-replicate2", "degree2-activation-checkpointing", "degree2-keep-all-to-all"],
+    ids=[
+        "degree1",
+        "auto-is-4",
+        "degree2-replicate2",
+        "degree2-activation-checkpointing",
+        "degree2-keep-all-to-all",
+        "degree2-compile",
+        "degree2-keep-all-to-all-compile",
+    ],
 )
 def test_every_layout_matches_reference(runs: dict, args: tuple[str, ...], degree: int) -> None:
     result = run(runs["tmp"], "layout-" + "-".join(args).replace("--", ""), *args)
     assert result["degree"] == degree
     assert result["checkpointed"] == ("--activation-checkpointing" in args)
     assert result["keep_all_to_all"] == ("keep_all_to_all" in args)
+    # Compiled: both decoder layers, each split at its MoE layer (at least the graphs before and after it).
+    assert result["compiled_blocks"] == (2 if "--compile" in args else 0)
+    assert result["compiled_graphs"] >= (2 if "--compile" in args else 0)
     assert_close(result["losses"], runs["ref"]["losses"])
 
 
@@ -111,11 +124,21 @@ def test_gradient_clipping_matches_reference(runs: dict) -> None:
 
 
 def test_gradient_accumulation_equals_double_batch(runs: dict) -> None:
-    acc = run(runs["tmp"], "accumulate", "--degree", "2", "--batch", "1", "--accumulate", "2", "--steps", "4")
+    tmp = runs["tmp"]
+    args = ("--degree", "2", "--batch", "1", "--accumulate", "2", "--steps", "4", "--log-dir", "logs-accumulate")
+    acc = run(tmp, "accumulate", *args)
     micro = acc["losses"]
     assert len(micro) == 8
     merged = [(micro[2 * k] + micro[2 * k + 1]) / 2 for k in range(4)]
     assert_close(merged, runs["d2"]["losses"])
+    # The logged MoE losses of a step are the mean over its micro-batches (logged at the optimizer step).
+    rows = list(csv.DictReader((tmp / "logs-accumulate" / "run" / "version_0" / "metrics.csv").open()))
+    aux = acc["aux_losses"]
+    for layer in range(2):
+        logged = [float(r[f"moe/layer_{layer}/aux_loss"]) for r in rows if r.get(f"moe/layer_{layer}/aux_loss")]
+        assert_close(logged, [(aux[2 * k][layer] + aux[2 * k + 1][layer]) / 2 for k in range(4)])
+    total = [float(r["moe/aux_loss"]) for r in rows if r.get("moe/aux_loss")]
+    assert_close(total, [(sum(aux[2 * k]) + sum(aux[2 * k + 1])) / 2 for k in range(4)])
 
 
 @pytest.mark.parametrize("degree", ["2", "1", "4"])

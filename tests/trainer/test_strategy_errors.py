@@ -147,6 +147,7 @@ def test_smp_moe_false_trains_the_models_own_blocks(single_process) -> None:
         ({"degree": 0}, ValueError, r"degree=0\): pass an int >= 1 .* or 'auto'"),
         ({"degree": "three"}, ValueError, r"degree='three'\): pass an int >= 1"),
         ({"replicate_degree": 0}, ValueError, r"replicate_degree=0\): pass an int >= 1"),
+        ({"compile_layers": "yes"}, TypeError, r"compile_layers='yes'\): pass True or False"),
         ({"moe": {"moe_load_balancing": "none"}}, TypeError, "moe=...\\) must be a MoEConfig, got dict"),
         (
             {"activation_checkpointing": "selective"},

@@ -1,0 +1,71 @@
+"""``compile_blocks``: ``torch.compile`` the dense parts of each decoder layer; the MoE layers stay eager.
+
+A fine-grained MoE step is bound by the host: the attention half of a Hugging Face decoder layer
+(RMSNorm in fp32, rotary embedding, projections) launches on the order of a hundred small kernels
+per layer in forward and as many in backward, and the MoE block's one host sync per layer empties
+the GPU's queue, so the GPU then waits for each of those launches. Compiled, the same work is a
+handful of fused kernels.
+
+What is compiled is each decoder layer's children that hold no MoE layer (attention, norms, a
+dense MLP), not the layer's own ``forward``: Hugging Face wraps that ``forward`` in its activation
+checkpointing, and Dynamo cannot split a checkpointed region at the MoE layer, so it would run the
+whole layer eagerly. Compiled children run inside the checkpoint like any function, and FSDP2's
+hooks on the decoder layer stay as they are. The MoE layers stay eager (``MoELayer.forward`` is
+excluded from compilation): they read split sizes back to the host, launch their own Triton
+kernels and run custom autograd functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ep.moe.layer import MoELayer
+
+_COMPILED = "_lightning_ep_compiled"
+
+
+def dense_children(block: nn.Module) -> list[nn.Module]:
+    """The direct children of ``block`` that hold no MoE layer and have parameters or code of
+    their own: attention, norms, a dense MLP (empty containers and the MoE layer are left out)."""
+    return [
+        child
+        for child in block.children()
+        if not any(isinstance(m, MoELayer) for m in child.modules()) and not isinstance(child, nn.ModuleList)
+    ]
+
+
+def compile_blocks(blocks: Iterable[nn.Module], **compile_kwargs: Any) -> int:
+    """Replace the ``forward`` of each block's dense children with ``torch.compile(forward, **compile_kwargs)``.
+
+    Compiling the bound ``forward`` (not the module) keeps the modules, their state-dict keys and
+    their hooks as they are. Children of one class share one code object, so the layers share
+    compiled graphs (one for the attention, one for the norms); a new input shape compiles once
+    more (Dynamo's automatic dynamic shapes). Train with ``use_cache=False``: a Hugging Face KV
+    cache makes the attention's graph depend on the layer index, one compilation per layer, and
+    past Dynamo's recompile limit (8) the remaining layers run eagerly. Idempotent: a block
+    compiled before is left alone.
+
+    Args:
+        blocks: the decoder layers (e.g. ``lightning_ep.parallel.fsdp.decoder_blocks(model)``).
+        compile_kwargs: passed to ``torch.compile`` (e.g. ``mode``, ``backend``).
+    Returns:
+        The number of blocks compiled by this call.
+    """
+    count = 0
+    for block in blocks:
+        if is_compiled(block):
+            continue
+        for child in dense_children(block):
+            child.forward = torch.compile(child.forward, **compile_kwargs)  # type: ignore[method-assign]
+        setattr(block, _COMPILED, True)
+        count += 1
+    return count
+
+
+def is_compiled(block: nn.Module) -> bool:
+    """Whether ``compile_blocks`` compiled ``block``'s dense children."""
+    return bool(getattr(block, _COMPILED, False))

@@ -1,0 +1,106 @@
+"""``compile_blocks`` / ``ExpertParallelStrategy(compile_layers=True)`` against eager, one process.
+
+Decoder layers with compiled dense parts must compute what the eager ones do: inductor fuses the
+RMSNorms' fp32 reductions and the rotary arithmetic, which reorders float sums, so fp32 losses and
+gradients agree to ~1e-6 relative (1e-5 asserted), not bitwise. The MoE layers must stay eager,
+module names and state-dict keys must not change, and activation checkpointing must not turn the
+compilation off. The CUDA
+twin is ``tests/gpu/test_compile_cuda.py``; the Trainer run at degree 2 is in
+``tests/trainer/test_strategy.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import rel_err
+from torch._dynamo.utils import counters
+
+import lightning_ep
+from lightning_ep.parallel.compile import compile_blocks, dense_children, is_compiled
+from lightning_ep.parallel.fsdp import decoder_blocks
+
+RTOL = 1e-5
+
+
+def _tiny(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+        )  # fmt: skip
+        return MixtralForCausalLM(config).float()
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=48, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=64, decoder_sparse_step=1,
+    )  # fmt: skip
+    return Qwen2MoeForCausalLM(config).float()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_compiled_layers_match_eager(family: str) -> None:
+    config = lightning_ep.MoEConfig(moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    eager = lightning_ep.transform(_tiny(family), config).train()
+    compiled = copy.deepcopy(eager)
+    keys = list(compiled.state_dict())
+    torch._dynamo.reset()  # graphs of an earlier test would not be counted
+    counters.clear()
+    assert compile_blocks(decoder_blocks(compiled)) == 2
+    assert compile_blocks(decoder_blocks(compiled)) == 0, "a second call must leave compiled blocks alone"
+    assert all(is_compiled(block) for block in decoder_blocks(compiled))
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    for step in range(2):  # the second step runs the cached graphs
+        losses = []
+        for model in (eager, compiled):
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            losses.append(loss.detach())
+        assert rel_err(losses[1], losses[0]) < RTOL, (step, losses)
+        grads = dict(eager.named_parameters())
+        for name, param in compiled.named_parameters():
+            assert param.grad is not None, name
+            assert rel_err(param.grad, grads[name].grad) < RTOL, (step, name)
+        for mine, theirs in zip(lightning_ep.moe_layers(compiled), lightning_ep.moe_layers(eager), strict=True):
+            assert torch.equal(mine.tokens_per_expert, theirs.tokens_per_expert)
+            assert rel_err(mine.aux_loss, theirs.aux_loss) < RTOL
+
+    assert list(compiled.state_dict()) == keys
+    # One graph for the attention, one for the RMSNorms (shared by the layers), none broken; the
+    # MoE layers were never traced.
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for block in decoder_blocks(compiled):
+        names = {name for name, child in block.named_children() if child in dense_children(block)}
+        assert names == {"self_attn", "input_layernorm", "post_attention_layernorm"}, names
+
+
+def test_checkpointed_layers_still_compile() -> None:
+    """Hugging Face checkpoints a decoder layer's ``forward``; the compiled children run inside it."""
+    model = lightning_ep.transform(_tiny("mixtral"), lightning_ep.MoEConfig())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference = copy.deepcopy(model)
+    compile_blocks(decoder_blocks(model))
+    torch._dynamo.reset()
+    counters.clear()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    model.train(), reference.train()
+    losses = []
+    for m in (reference, model):
+        loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert rel_err(losses[1], losses[0]) < RTOL
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert rel_err(param.grad, grads[name].grad) < RTOL, name
