@@ -18,8 +18,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   row sets FSDP2 forward/backward prefetch of the next decoder layer explicitly, ``+ac`` checkpoints
   every decoder layer (``activation_checkpointing=True``), ``+ac_keep`` does so keeping the MoE
   layers' exchanges (``"keep_all_to_all"``), ``+compile`` compiles the dense parts of each decoder
-  layer (``compile_layers=True``; on a baseline row the same ``compile_blocks``, its MoE block
-  included), ``+zero2`` keeps
+  layer and the routing of its MoE layer (``compile_layers=True``; on a baseline row the same
+  ``compile_blocks``, its MoE block included), ``+compile_dense`` the dense parts only, ``+zero2`` keeps
   gathered parameters from forward to backward (``reshard_after_forward=False``), ``+monitor`` adds
   ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); ``@reference``
   (or another of ``_common.VARIANTS``) runs it on the replaced hot-path code.
@@ -91,6 +91,7 @@ def make_module(
     prefetch: bool,
     optimizer: str,
     compile_layers: bool = False,
+    compile_dense_only: bool = False,
 ) -> Any:
     from lightning.pytorch import LightningModule
 
@@ -130,6 +131,11 @@ def make_module(
         def on_fit_start(self) -> None:
             if prefetch:
                 set_prefetch(self.model)
+            if compile_dense_only:
+                from lightning_ep.parallel.compile import compile_blocks
+                from lightning_ep.parallel.fsdp import decoder_blocks
+
+                compile_blocks(decoder_blocks(self.model), routing=False)
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             return self.model(input_ids=batch, labels=batch, use_cache=False).loss
@@ -337,6 +343,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         prefetch=option == "prefetch",
         optimizer=args.optimizer,
         compile_layers=option == "compile",
+        compile_dense_only=option == "compile_dense",
     )
     steps = args.warmup + args.steps + 1
     data = torch.utils.data.DataLoader(_Tokens(steps * batch * world(), args.seq, shape.vocab), batch_size=batch)

@@ -7,7 +7,7 @@ per token, M rows received by the local experts.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -28,6 +28,43 @@ _SHUFFLE_STREAM = 1
 _MAX_KEPT = 4  # KeptExchange entries per layer awaiting their recomputation
 # The layer's roles for its children; ``MoELayer(child_names=...)`` maps them to Hugging Face names.
 _ROLES = {"gate": "gate", "shared_experts": "shared_experts", "shared_experts_gate": "shared_experts_gate"}
+
+
+class RouterStats(NamedTuple):
+    """What the layer keeps of one routing: the load-balancing and z-losses (0-dim, with grad), the
+    router entropy (0-dim, detached) and, when checked, whether every router logit is finite."""
+
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    entropy: torch.Tensor
+    logits_finite: torch.Tensor | None
+
+
+def route(gate: TopKRouter, x_TH: torch.Tensor, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
+    """Route ``x_TH`` and compute the statistics kept of it, in one pure function (so that
+    ``MoELayer.compile_routing`` compiles it whole).
+
+    Returns:
+        ``expert_ids_TK`` (int64), ``weights_TK`` (router dtype) and the ``RouterStats``.
+    """
+    routing = gate(x_TH)
+    probs_TE = routing.probs_TE
+    aux = load_balancing_loss(probs_TE, routing.expert_ids_TK)
+    zl = z_loss(routing.logits_TE)
+    entropy = mean_entropy(probs_TE.detach())
+    finite = torch.isfinite(routing.logits_TE.detach()).all() if check_finite else None
+    return routing.expert_ids_TK, routing.weights_TK, RouterStats(aux, zl, entropy, finite)
+
+
+def mean_entropy(probs_TE: torch.Tensor) -> torch.Tensor:
+    """0-dim mean over tokens of the entropy (nats) of each row of ``probs_TE``."""
+    # entr(p) = -p log p with entr(0) = 0, and no NaN for a rank without tokens.
+    return torch.special.entr(probs_TE).sum() / max(probs_TE.shape[0], 1)
+
+
+def all_finite(x: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: no NaN or infinity in ``x``."""
+    return torch.isfinite(x.detach()).all()
 
 
 class MoELayer(nn.Module):
@@ -125,6 +162,16 @@ class MoELayer(nn.Module):
         self.check_finite = False
         self.nonfinite = torch.zeros((), dtype=torch.bool)
         self.router_entropy = torch.zeros(())
+        # Eager by default; ``compile_routing`` swaps in compiled versions of the same functions.
+        self._route = route
+        self._all_finite = all_finite
+
+    def compile_routing(self, **compile_kwargs: Any) -> None:
+        """Run the router with its losses and statistics (``route``) and the output's finiteness
+        check through ``torch.compile``: a few fused kernels instead of some thirty small ones per
+        layer, in forward and in backward. The rest of the layer stays eager."""
+        self._route = torch.compile(route, **compile_kwargs)
+        self._all_finite = torch.compile(all_finite, **compile_kwargs)
 
     def __getattr__(self, name: str) -> Any:
         # Roles resolve to the Hugging Face child names (``layer.gate`` is GPT-OSS's ``router``).
@@ -158,14 +205,14 @@ class MoELayer(nn.Module):
             generator = self._generator(draw_id, torch.device("cpu"), shared=True)
             x_TH, shuffle_state = self.shuffle.shuffle(x_TH, generator)
 
-        routing = self.gate(x_TH)
+        expert_ids_TK, weights_TK, stats = self._route(self.gate, x_TH, self.check_finite)
         keep = self._exchange_to_keep(draw_id)
         if getattr(self.dispatcher, "takes_weights", False):  # capacity: "probs" ranks rows by weight
-            dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK, routing.weights_TK)  # type: ignore[call-arg]
+            dispatched = self.dispatcher.dispatch(x_TH, expert_ids_TK, weights_TK)  # type: ignore[call-arg]
         elif keep is not None:
-            dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK, keep=keep)  # type: ignore[call-arg]
+            dispatched = self.dispatcher.dispatch(x_TH, expert_ids_TK, keep=keep)  # type: ignore[call-arg]
         else:
-            dispatched = self.dispatcher.dispatch(x_TH, routing.expert_ids_TK)
+            dispatched = self.dispatcher.dispatch(x_TH, expert_ids_TK)
         if "tokens_dropped" in dispatched.state:
             self.tokens_dropped = dispatched.state["tokens_dropped"]
         if self.overlap_shared:
@@ -175,36 +222,26 @@ class MoELayer(nn.Module):
             x_MH = dispatched.x_MH
             shared_TH = self._shared(x_TH)
         y_MH = self.experts(x_MH, dispatched.counts_L)
-        out_TH = self.dispatcher.combine(y_MH, routing.weights_TK, dispatched)
+        out_TH = self.dispatcher.combine(y_MH, weights_TK, dispatched)
         if shared_TH is not None:
             out_TH = out_TH + shared_TH
 
         if self.check_finite:
             # A device-side flag, read by the caller once per step (no host sync here).
-            self.nonfinite = ~(torch.isfinite(routing.logits_TE).all() & torch.isfinite(out_TH).all())
-        out_TH = self._account(
-            out_TH, routing.logits_TE, routing.probs_TE, routing.expert_ids_TK, dispatched.tokens_per_expert_E
-        )
+            assert stats.logits_finite is not None
+            self.nonfinite = ~(stats.logits_finite & self._all_finite(out_TH))
+        out_TH = self._account(out_TH, stats, dispatched.tokens_per_expert_E)
         if self.shuffle is not None and shuffle_state is not None:
             out_TH = self.shuffle.unshuffle(out_TH, shuffle_state)
         return out_TH.to(hidden_BSH.dtype).reshape(shape)
 
-    def _account(
-        self,
-        out_TH: torch.Tensor,
-        logits_TE: torch.Tensor,
-        probs_TE: torch.Tensor,
-        expert_ids_TK: torch.Tensor,
-        tokens_per_expert_E: torch.Tensor,
-    ) -> torch.Tensor:
-        """Compute the router losses, keep them and the counts, attach the weighted losses."""
-        aux = load_balancing_loss(probs_TE, expert_ids_TK)
-        zl = z_loss(logits_TE)
+    def _account(self, out_TH: torch.Tensor, stats: RouterStats, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """Keep the router losses and the counts, attach the weighted losses."""
+        aux, zl = stats.aux_loss, stats.z_loss
         self.aux_loss = aux.detach()
         self.z_loss = zl.detach()
         self.tokens_per_expert = tokens_per_expert_E.detach()
-        # entr(p) = -p log p with entr(0) = 0, and no NaN for a rank without tokens.
-        self.router_entropy = torch.special.entr(probs_TE.detach()).sum() / max(probs_TE.shape[0], 1)
+        self.router_entropy = stats.entropy
         if self.training and not in_backward():
             self.gate.record_load(tokens_per_expert_E)
         if not self.training:

@@ -12,7 +12,8 @@ checkpointing, and Dynamo cannot split a checkpointed region at the MoE layer, s
 whole layer eagerly. Compiled children run inside the checkpoint like any function, and FSDP2's
 hooks on the decoder layer stay as they are. The MoE layers stay eager (``MoELayer.forward`` is
 excluded from compilation): they read split sizes back to the host, launch their own Triton
-kernels and run custom autograd functions.
+kernels and run custom autograd functions. Inside each, only the router with its losses and
+statistics is compiled (``MoELayer.compile_routing``).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def dense_children(block: nn.Module) -> list[nn.Module]:
     ]
 
 
-def compile_blocks(blocks: Iterable[nn.Module], **compile_kwargs: Any) -> int:
-    """Replace the ``forward`` of each block's dense children with ``torch.compile(forward, **compile_kwargs)``.
+def compile_blocks(blocks: Iterable[nn.Module], *, routing: bool = True, **compile_kwargs: Any) -> int:
+    """Replace the ``forward`` of each block's dense children with ``torch.compile(forward, **compile_kwargs)``,
+    and compile the routing of its MoE layers (``MoELayer.compile_routing``).
 
     Compiling the bound ``forward`` (not the module) keeps the modules, their state-dict keys and
     their hooks as they are. Children of one class share one code object, so the layers share
@@ -51,6 +53,7 @@ def compile_blocks(blocks: Iterable[nn.Module], **compile_kwargs: Any) -> int:
 
     Args:
         blocks: the decoder layers (e.g. ``lightning_ep.parallel.fsdp.decoder_blocks(model)``).
+        routing: also compile the routing of the MoE layers in ``blocks``.
         compile_kwargs: passed to ``torch.compile`` (e.g. ``mode``, ``backend``).
     Returns:
         The number of blocks compiled by this call.
@@ -61,6 +64,9 @@ def compile_blocks(blocks: Iterable[nn.Module], **compile_kwargs: Any) -> int:
             continue
         for child in dense_children(block):
             child.forward = torch.compile(child.forward, **compile_kwargs)  # type: ignore[method-assign]
+        for layer in block.modules():
+            if routing and isinstance(layer, MoELayer):
+                layer.compile_routing(**compile_kwargs)
         setattr(block, _COMPILED, True)
         count += 1
     return count

@@ -27,6 +27,7 @@ from torch import nn
 import lightning_ep
 from lightning_ep.callbacks import STAT_NAMES, MoELoadMetric, MoEMonitor
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
+from lightning_ep.moe.layer import mean_entropy
 from lightning_ep.monitor_plots import PLOT_SIZE_PX, heatmap_figure, imbalance_figure, normalised_load
 
 H, I, E, K = 64, 32, 8, 2  # noqa: E741 (shape letters)
@@ -118,13 +119,12 @@ def _layer(seed: int = 0, weight: torch.Tensor | None = None, num_experts: int =
 
 
 def test_router_entropy_on_hand_built_probabilities():
-    layer = _layer().eval()
     probs_TE = torch.tensor([[0.5, 0.5] + [0.0] * 6, [1 / 8] * 8, [1.0] + [0.0] * 7], dtype=torch.float64)
-    ids_TK = torch.tensor([[0, 1], [0, 1], [0, 1]])
-    layer._account(torch.zeros(3, H), probs_TE.log(), probs_TE, ids_TK, torch.tensor([3, 3, 0, 0, 0, 0, 0, 0]))
+    entropy = mean_entropy(probs_TE)
     # (log 2 + log 8 + 0) / 3 = 4/3 log 2; experts with probability 0 add 0, not NaN.
-    assert layer.router_entropy.shape == ()
-    assert layer.router_entropy.item() == pytest.approx(4 / 3 * math.log(2), rel=1e-15)
+    assert entropy.shape == ()
+    assert entropy.item() == pytest.approx(4 / 3 * math.log(2), rel=1e-15)
+    assert mean_entropy(probs_TE[:0]).item() == 0.0  # a rank without tokens
 
 
 def test_router_entropy_after_forward():
