@@ -90,13 +90,16 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: free gathered parameters after forward (ZeRO-3); ``False`` keeps them
             until backward (ZeRO-2: more memory, fewer all-gathers).
         compile_layers: ``torch.compile`` the dense parts of each decoder layer (attention, norms,
-            a dense MLP fuse into a few kernels; the MoE layers stay eager, see
-            ``lightning_ep.parallel.compile``). Fewer launches for a host-bound step; the first step
-            compiles (tens of seconds), and results agree with eager to float rounding, not
-            bitwise. Also sets the model's ``config.use_cache = False`` (no KV cache in training).
+            a dense MLP fuse into a few kernels) and each MoE layer's router with its losses; the
+            rest of the MoE layers stays eager (see ``lightning_ep.parallel.compile``; with
+            ``MoEConfig(smp_moe=False)`` the model's own MoE blocks are compiled whole). Fewer
+            launches for a host-bound step; the first step compiles (tens of seconds), and results
+            agree with eager to float rounding, not bitwise. Also sets the model's
+            ``config.use_cache = False`` (no KV cache in training).
         save_distributed_checkpoint: ``True`` saves one shard per rank (resumable at any degree);
             ``False`` gathers a single full checkpoint on rank 0.
-        log_moe_losses: log the per-layer and total aux and z losses after each training step.
+        log_moe_losses: log the per-layer and total aux and z losses at each optimizer step (their
+            mean over the step's micro-batches; after each ``training_step`` under manual optimization).
         check_finite: raise ``FloatingPointError`` naming the MoE layer and the step if a router
             logit or a layer output of a training forward was NaN or infinite, before the optimizer
             step that would apply its gradients (right after ``training_step`` under manual
