@@ -136,6 +136,37 @@ def test_smp_moe_false_trains_the_models_own_blocks(single_process) -> None:
     assert any(isinstance(m, MixtralSparseMoeBlock) for m in module.model.modules())
 
 
+def test_compile_layers_with_the_models_own_blocks(single_process) -> None:
+    """With ``smp_moe=False`` the decoder layers' children, the model's own MoE block included, are
+    compiled; the first step's loss is the eager model's to float rounding."""
+    from conftest import rel_err
+
+    from lightning_ep.parallel.compile import is_compiled
+
+    class Recording(Module):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.first_loss = loss.detach().clone()
+            return loss
+
+    data = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(3))
+    reference = _mixtral()
+    expected = reference(input_ids=data[:2], labels=data[:2], use_cache=False).loss
+    module = Recording(_mixtral)
+    strategy = ExpertParallelStrategy(
+        "auto", moe=MoEConfig(smp_moe=False), compile_layers=True, process_group_backend="gloo"
+    )
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data, batch_size=2))
+    blocks = list(module.model.model.layers)
+    assert blocks and all(is_compiled(block) for block in blocks)
+    assert module.model.config.use_cache is False
+    assert rel_err(module.first_loss, expected) < 1e-5
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
