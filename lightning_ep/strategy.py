@@ -19,7 +19,6 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
@@ -31,9 +30,15 @@ from lightning_ep.models.registry import family_for, find_moe_blocks
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.balance import update_expert_biases
-from lightning_ep.parallel.compile import compile_blocks
-from lightning_ep.parallel.fsdp import check_all_sharded, decoder_blocks, gradient_sync, shard_model
-from lightning_ep.parallel.mesh import check_layout, dense_mesh, init_mesh
+from lightning_ep.parallel.compile import compile_for_training
+from lightning_ep.parallel.fsdp import (
+    check_all_sharded,
+    decoder_blocks,
+    gradient_sync,
+    shard_model,
+    shard_named_blocks,
+)
+from lightning_ep.parallel.mesh import check_layout, init_mesh
 from lightning_ep.step_checks import StepChecks, check_before_step, use_mesh_aware_clipping
 from lightning_ep.transform import moe_layers, transform
 
@@ -312,29 +317,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             shard_model(hf_model, mesh, mp_policy=self._mp_policy(), reshard_after_forward=self.reshard_after_forward)
             blocks = decoder_blocks(hf_model)
         else:
-            blocks = self._shard_dense_only(hf_model)
+            blocks = shard_named_blocks(
+                hf_model, mesh, mp_policy=self._mp_policy(), reshard_after_forward=self.reshard_after_forward
+            )
         if self.compile_layers:
-            config = getattr(hf_model, "config", None)
-            if getattr(config, "use_cache", False):
-                # A training forward needs no KV cache, and with one Dynamo compiles the attention once per layer.
-                config.use_cache = False  # type: ignore[union-attr]
-                rank_zero_info("ExpertParallelStrategy(compile_layers=True): set the model's config.use_cache=False.")
-            compile_blocks(blocks)
-
-    def _shard_dense_only(self, hf_model: nn.Module) -> list[nn.Module]:
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = dense_mesh(self.device_mesh)
-        mesh = mesh if mesh.size(0) > 1 else mesh["shard"]
-        kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
-        if (policy := self._mp_policy()) is not None:
-            kwargs["mp_policy"] = policy
-        block_names = set(getattr(hf_model, "_no_split_modules", None) or [])
-        blocks = [m for m in hf_model.modules() if type(m).__name__ in block_names]
-        for block in blocks:
-            fully_shard(block, mesh=mesh, **kwargs)
-        fully_shard(hf_model, mesh=mesh, **kwargs)
-        return blocks
+            compile_for_training(hf_model, blocks)
 
     def _configure_moe_layers(self, trainer: pl.Trainer) -> None:
         # Lightning divides the loss by accumulate_grad_batches; the router losses must follow.

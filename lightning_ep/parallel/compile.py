@@ -18,6 +18,7 @@ statistics is compiled (``MoELayer.compile_routing``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch import nn
 from lightning_ep.moe.layer import MoELayer
 
 _COMPILED = "_lightning_ep_compiled"
+_log = logging.getLogger(__name__)
 
 
 def dense_children(block: nn.Module) -> list[nn.Module]:
@@ -70,6 +72,20 @@ def compile_blocks(blocks: Iterable[nn.Module], *, routing: bool = True, **compi
         setattr(block, _COMPILED, True)
         count += 1
     return count
+
+
+def compile_for_training(model: nn.Module, blocks: Iterable[nn.Module], **compile_kwargs: Any) -> int:
+    """``compile_blocks(blocks)`` for training ``model``: first sets its ``config.use_cache = False``
+    (a training forward needs no KV cache, and with one Dynamo compiles the attention once per layer).
+
+    Returns:
+        The number of blocks compiled by this call.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]
+        _log.info("compile_for_training: set %s's config.use_cache=False", type(model).__name__)
+    return compile_blocks(blocks, **compile_kwargs)
 
 
 def is_compiled(block: nn.Module) -> bool:

@@ -90,6 +90,32 @@ def shard_model(
     return model
 
 
+def shard_named_blocks(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> list[nn.Module]:
+    """FSDP2 for a model that keeps its own MoE blocks (``MoEConfig(smp_moe=False)``): each module
+    whose class is named in the model's ``_no_split_modules`` (Hugging Face's decoder layers), then
+    the root, over ``("replicate", "shard")`` like ``shard_model``'s dense part.
+
+    Returns:
+        The blocks sharded, in module order.
+    """
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    shard_mesh = _fsdp_mesh(dense_mesh(mesh))
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    for block in blocks:
+        fully_shard(block, mesh=shard_mesh, **kwargs)
+    fully_shard(model, mesh=shard_mesh, **kwargs)
+    return blocks
+
+
 def check_all_sharded(model: nn.Module) -> None:
     """Raise if a trainable parameter is not a DTensor: it would never get its gradients synced."""
     plain = [name for name, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
@@ -107,4 +133,4 @@ def gradient_sync(model: nn.Module, enabled: bool) -> None:
             module.set_requires_gradient_sync(enabled, recurse=False)
 
 
-__all__ = ["check_all_sharded", "decoder_blocks", "gradient_sync", "shard_model"]
+__all__ = ["check_all_sharded", "decoder_blocks", "gradient_sync", "shard_model", "shard_named_blocks"]

@@ -19,7 +19,7 @@ from conftest import rel_err
 from torch._dynamo.utils import counters
 
 import lightning_ep
-from lightning_ep.parallel.compile import compile_blocks, dense_children, is_compiled
+from lightning_ep.parallel.compile import compile_blocks, compile_for_training, dense_children, is_compiled
 from lightning_ep.parallel.fsdp import decoder_blocks
 
 RTOL = 1e-5
@@ -86,6 +86,15 @@ def test_compiled_layers_match_eager(family: str) -> None:
     for block in decoder_blocks(compiled):
         names = {name for name, child in block.named_children() if child in dense_children(block)}
         assert names == {"self_attn", "input_layernorm", "post_attention_layernorm"}, names
+
+
+def test_compile_for_training_turns_the_kv_cache_off() -> None:
+    """The helper the strategy calls: no KV cache (it would make a graph per layer index), then compile."""
+    model = lightning_ep.transform(_tiny("mixtral"), lightning_ep.MoEConfig())
+    assert model.config.use_cache
+    assert compile_for_training(model, decoder_blocks(model)) == 2
+    assert model.config.use_cache is False
+    assert all(is_compiled(block) for block in decoder_blocks(model))
 
 
 def test_checkpointed_layers_still_compile() -> None:
