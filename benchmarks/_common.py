@@ -24,10 +24,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe import combine, dispatch, dispatch_ep, swiglu
+from lightning_ep.moe import GroupedExperts, combine, dispatch, dispatch_ep, swiglu
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
-VARIANTS = ("fast", "unfused-swiglu", "unfused-combine", "sync-counts", "atomic-bwd", "reference", "serial-shared")
+VARIANTS = (
+    "fast",
+    "unfused-swiglu",
+    "unfused-combine",
+    "sync-counts",
+    "atomic-bwd",
+    "grouped-experts",
+    "reference",
+    "serial-shared",
+)
 
 
 @dataclass(frozen=True)
@@ -145,6 +154,8 @@ def variant(name: str) -> Iterator[None]:
     - ``sync-counts``: counts per expert by ``torch.bincount`` (reads the maximum back to the host);
     - ``atomic-bwd``: permutations and the combine by ``index_select`` + ``bmm`` under plain
       autograd (zero-fill + scatter-add backward, outer-product GEMM);
+    - ``grouped-experts``: the grouped GEMM even where the experts would pick one cuBLAS GEMM per
+      expert (``GroupedExperts.per_expert_min_rows = None``);
     - ``reference``: all of the above (the code before these changes);
     - ``serial-shared``: nothing patched here; ``bench_layer`` sets the layer's
       ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it).
@@ -162,8 +173,10 @@ def variant(name: str) -> Iterator[None]:
             "gather_rows": _index_select_gather,
             "weighted_unsort": _bmm_unsort,
         }
-    modules = (combine, dispatch, dispatch_ep, swiglu)
-    saved = [(m, k, getattr(m, k)) for m in modules for k in patches if hasattr(m, k)]
+    if name in ("grouped-experts", "reference"):
+        patches |= {"per_expert_min_rows": None}
+    modules = (combine, dispatch, dispatch_ep, swiglu, GroupedExperts)
+    saved = [(m, k, getattr(m, k)) for m in modules for k in patches if k in vars(m)]
     for module, key, _ in saved:
         setattr(module, key, patches[key])
     try:

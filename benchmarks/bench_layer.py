@@ -150,27 +150,28 @@ def marked_forward(layer: MoELayer, x_TH: torch.Tensor, timeline: Timeline) -> t
     """``MoELayer.forward`` step by step (no jitter, no shuffle), with marks between the phases."""
     x_gate = mark(x_TH, timeline, None, "router")
     x_disp = mark(x_TH, timeline, "-", "permutation")
-    routing = layer.gate(x_gate)
-    weights_TK = mark(routing.weights_TK, timeline, "router", "combine")
+    expert_ids_TK, weights_TK, stats = layer._route(layer.gate, x_gate, layer.check_finite)
+    weights_TK = mark(weights_TK, timeline, "router", "combine")
     timeline.side = "dispatch"
     with marked_collectives(timeline):
-        dispatched = layer.dispatcher.dispatch(x_disp, routing.expert_ids_TK)
+        dispatched = layer.dispatcher.dispatch(x_disp, expert_ids_TK)
         shared_TH = None
         if layer.overlap_shared:
             shared_TH = marked_shared(layer, x_TH, timeline)  # while the rows travel
         x_MH = mark(dispatched.x_MH, timeline, "permutation", "experts")
         if not layer.overlap_shared:
             shared_TH = marked_shared(layer, x_TH, timeline)
-        y_MH = mark(layer.experts(x_MH, dispatched.counts_L), timeline, "experts", "combine")
+        y_MH = mark(layer.experts(x_MH, dispatched.counts_L, dispatched.counts_host), timeline, "experts", "combine")
         timeline.side = "combine"
         out_TH = layer.dispatcher.combine(y_MH, weights_TK, dispatched)
     if shared_TH is not None:
         out_TH = out_TH + shared_TH
     out_TH = mark(out_TH, timeline, "combine", "router")
-    # The layer's own loss bookkeeping, timed as router.
-    out_TH = layer._account(
-        out_TH, routing.logits_TE, routing.probs_TE, routing.expert_ids_TK, dispatched.tokens_per_expert_E
-    )
+    # The layer's own finiteness flag and loss bookkeeping, timed as router.
+    if layer.check_finite:
+        assert stats.logits_finite is not None
+        layer.nonfinite = ~(stats.logits_finite & layer._all_finite(out_TH))
+    out_TH = layer._account(out_TH, stats, dispatched.tokens_per_expert_E)
     return mark(out_TH, timeline, "router", None)
 
 

@@ -36,6 +36,8 @@ class Dispatched:
         counts_L: rows per local expert (int64, device), summing to ``M``.
         tokens_per_expert_E: tokens this rank routed to each global expert (int64, device).
         state: dispatcher-private bookkeeping.
+        counts_host: ``counts_L`` as host integers when the dispatcher read them anyway (its one
+            host sync), else ``None``; the experts may then pick a path that needs them.
     """
 
     def __init__(
@@ -46,12 +48,14 @@ class Dispatched:
         state: dict[str, Any] | None = None,
         *,
         arrive: Callable[[], torch.Tensor] | None = None,
+        counts_host: list[int] | None = None,
     ) -> None:
         if (x_MH is None) == (arrive is None):
             raise ValueError("Dispatched needs exactly one of x_MH and arrive.")
         self._x_MH = x_MH
         self._arrive = arrive
         self.counts_L = counts_L
+        self.counts_host = counts_host
         self.tokens_per_expert_E = tokens_per_expert_E
         self.state = state if state is not None else {}
 

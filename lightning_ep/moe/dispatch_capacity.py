@@ -98,8 +98,9 @@ class CapacityDispatcher:
         send_XH = x_TH.new_zeros((E * cap + 1, x_TH.shape[1])).index_copy(0, dest_N, pair_rows_NH)[: E * cap]
         counts_L = torch.full((L,), D * cap, dtype=torch.int64, device=x_TH.device)
         state = {"slot_N": slot_N, "keep_N": keep_N, "cap": cap, "tokens_dropped": (~keep_N).sum()}
+        counts_host = [D * cap] * L  # known without a sync
         if self.group is None or D == 1:
-            return Dispatched(send_XH, counts_L, counts_E, state)
+            return Dispatched(send_XH, counts_L, counts_E, state, counts_host=counts_host)
         splits = [L * cap] * D
         pending_XH, flight = start_all_to_all(send_XH, splits, splits, self.group)
 
@@ -108,7 +109,7 @@ class CapacityDispatcher:
             return recv_XH.view(D, L, cap, -1).transpose(0, 1).reshape(L * D * cap, -1)  # [L, D, C, H]
 
         # The rows travel until the first read of x_MH (see Dispatched).
-        return Dispatched(None, counts_L, counts_E, state, arrive=arrive)
+        return Dispatched(None, counts_L, counts_E, state, arrive=arrive, counts_host=counts_host)
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         state = dispatched.state

@@ -75,7 +75,9 @@ class AllToAllDispatcher:
             return permute_rows(rows_MH, plan["regroup_M"], plan["unregroup_M"])
 
         state = {**plan, "keep": keep, "replay": replay}
-        return Dispatched(None, plan["counts_L"], plan["counts_E"], state, arrive=arrive)
+        return Dispatched(
+            None, plan["counts_L"], plan["counts_E"], state, arrive=arrive, counts_host=plan["counts_host"]
+        )
 
     def _plan(self, expert_ids_TK: torch.Tensor) -> dict:
         """Sort order, split sizes (the one host sync) and regrouping of one dispatch."""
@@ -87,7 +89,8 @@ class AllToAllDispatcher:
             recv_DL = torch.empty_like(counts_E)
             dist.all_to_all_single(recv_DL, counts_E, group=self.group)
             recv_DL = recv_DL.view(D, L)
-            splits = torch.cat([counts_E.view(D, L).sum(1), recv_DL.sum(1)]).tolist()  # the one host sync
+            # The one host sync: send and receive split sizes, and the received counts per local expert.
+            splits = torch.cat([counts_E.view(D, L).sum(1), recv_DL.sum(1), recv_DL.sum(0)]).tolist()
         else:
             # With a budget every rank needs every rank's load, so that all of them stop together:
             # gather the whole [D, E] count matrix instead (the same one host sync).
@@ -96,8 +99,8 @@ class AllToAllDispatcher:
             all_DE = all_DE.view(D, self.num_experts)
             recv_DL = all_DE[:, self.rank * L : (self.rank + 1) * L]
             load_D = all_DE.view(D, D, L).sum(dim=(0, 2))  # rows arriving at each rank
-            splits = torch.cat([counts_E.view(D, L).sum(1), recv_DL.sum(1), load_D]).tolist()
-            _check_budget(splits[2 * D :], self.max_tokens_per_rank)
+            splits = torch.cat([counts_E.view(D, L).sum(1), recv_DL.sum(1), recv_DL.sum(0), load_D]).tolist()
+            _check_budget(splits[2 * D + L :], self.max_tokens_per_rank)
         send_splits, recv_splits = splits[:D], splits[D : 2 * D]
         segment_M = torch.repeat_interleave(
             torch.arange(D * L, device=recv_DL.device), recv_DL.reshape(-1), output_size=sum(recv_splits)
@@ -110,6 +113,7 @@ class AllToAllDispatcher:
             "unregroup_M": inverse_permutation(regroup_M),
             "splits": (send_splits, recv_splits),
             "counts_L": recv_DL.sum(0),
+            "counts_host": splits[2 * D : 2 * D + L],
             "counts_E": counts_E,
         }
 
@@ -178,12 +182,13 @@ class AllGatherDispatcher:
             key_N = torch.where((local_GK >= 0) & (local_GK < L), local_GK, L).reshape(-1)
             sorted_key_N, order_N = torch.sort(key_N, stable=True)
             counts_L = expert_counts(sorted_key_N, L + 1)[:L]
-            num_rows = int(counts_L.sum())  # the one host sync
-            order_M = order_N[:num_rows]
+            counts_host = counts_L.tolist()  # the one host sync
+            order_M = order_N[: sum(counts_host)]
         # Not a permutation (rows of other ranks' experts are left out): a plain index_select.
         x_MH = x_all_GH.index_select(0, torch.div(order_M, K, rounding_mode="floor"))
         tokens_per_expert_E = count_ids(expert_ids_TK, self.num_experts)
-        return Dispatched(x_MH, counts_L, tokens_per_expert_E, {"order_M": order_M, "rows": x_all_GH.shape[0]})
+        state = {"order_M": order_M, "rows": x_all_GH.shape[0]}
+        return Dispatched(x_MH, counts_L, tokens_per_expert_E, state, counts_host=counts_host)
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         order_M = dispatched.state["order_M"]

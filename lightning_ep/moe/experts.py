@@ -136,6 +136,11 @@ class RoutedExperts(nn.Module):
         """Global number of experts (the first dim of the global weight shape)."""
         return self.gate_up_proj.shape[0]
 
+    #: Mean rows per local expert from which ``use_grouped_mm=None`` runs one cuBLAS GEMM per expert
+    #: instead of the grouped GEMM, when the dispatcher already read the counts to the host (no
+    #: extra sync). ``None``: never. Set by subclasses that have a measured per-expert path.
+    per_expert_min_rows: int | None = None
+
     def run(
         self,
         x_NH: torch.Tensor,
@@ -144,14 +149,31 @@ class RoutedExperts(nn.Module):
         gemm_weights: tuple[int, int],
         grouped: Callable[..., torch.Tensor],
         loop: Callable[..., torch.Tensor],
+        counts_host: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """``grouped(x_NH, counts_L, *weights)`` or ``loop(...)`` on the local shards of ``params``
-        (cast to ``compute_dtype``), with every weight's gradient multiplied by ``grad_scale``.
-        ``gemm_weights``: the positions in ``params`` of the two matrices the GEMMs multiply by."""
+        """``grouped(x_NH, counts_L, *weights)`` or ``loop(x_NH, counts, weights, grad_scale)`` on
+        the local shards of ``params`` (cast to ``compute_dtype``), with every weight's gradient
+        multiplied by ``grad_scale`` (``loop`` applies it itself). ``gemm_weights``: the positions
+        in ``params`` of the two matrices the GEMMs multiply by. ``counts_host``: ``counts_L`` as
+        host integers when the caller already has them; otherwise the loop reads them (one sync)."""
         weights = compute_weights(params, self.compute_dtype)
         i, j = gemm_weights
-        fn = grouped if use_grouped(x_NH, counts_L, weights[i], weights[j], self.use_grouped_mm) else loop
-        return with_grad_scale(lambda x, *w: fn(x, counts_L, *w), x_NH, weights, self.grad_scale)
+        grouped_ok = use_grouped(x_NH, counts_L, weights[i], weights[j], self.use_grouped_mm)
+        if grouped_ok and not self._prefers_per_expert(x_NH, counts_host):
+            return with_grad_scale(lambda x, *w: grouped(x, counts_L, *w), x_NH, weights, self.grad_scale)
+        counts = list(counts_host) if counts_host is not None else counts_L.tolist()
+        if len(counts) != weights[i].shape[0] or sum(counts) != x_NH.shape[0]:
+            raise RuntimeError(
+                f"counts_host {counts} must give the rows of each of the {weights[i].shape[0]} local experts, "
+                f"summing to the {x_NH.shape[0]} rows passed."
+            )
+        return loop(x_NH, counts, weights, self.grad_scale)
+
+    def _prefers_per_expert(self, x_NH: torch.Tensor, counts_host: Sequence[int] | None) -> bool:
+        minimum = self.per_expert_min_rows
+        if self.use_grouped_mm is not None or counts_host is None or minimum is None or not x_NH.is_cuda:
+            return False
+        return x_NH.shape[0] >= minimum * len(counts_host)
 
 
 class GroupedExperts(RoutedExperts):
@@ -173,7 +195,16 @@ class GroupedExperts(RoutedExperts):
     ``compute_dtype``, when set, is the dtype the weights are cast to for the matmuls (their
     gradients flow back in the parameters' dtype). ``shard_model`` sets it to FSDP2's
     ``param_dtype`` when it leaves the experts out of FSDP2 (no expert-data-parallel ranks).
+
+    The per-expert path (``use_grouped_mm=False``, or ``None`` with host counts and at least
+    ``per_expert_min_rows`` rows per expert on CUDA) runs one cuBLAS GEMM per expert and GEMM,
+    written in place, with the gradient scale folded into the weight-gradient GEMMs. On an H200 it
+    beats the grouped GEMM when few experts get many rows (Mixtral's shapes at degree 2, 4 experts
+    of ~4096 rows: 25.5 vs 27.0 ms for the six GEMMs of forward + backward) and loses badly with
+    many small experts (128 of width 768, ~1024 rows each: 3x slower), see ``benchmarks/RESULTS.md``.
     """
+
+    per_expert_min_rows = 2048
 
     def __init__(
         self,
@@ -203,12 +234,15 @@ class GroupedExperts(RoutedExperts):
         self.down_proj = down_proj
         self.act_fn = act_fn
 
-    def forward(self, x_NH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_NH: torch.Tensor, counts_L: torch.Tensor, counts_host: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Run each local expert on its contiguous block of rows.
 
         Args:
             x_NH: rows sorted by local expert.
             counts_L: rows per local expert (int, on any device), summing to ``N``.
+            counts_host: the same counts as host integers, when the caller has them.
         Returns:
             ``[N, H]`` expert outputs, in the order of ``x_NH``.
         """
@@ -219,7 +253,8 @@ class GroupedExperts(RoutedExperts):
             [self.gate_up_proj, self.down_proj],
             (0, 1),
             lambda x, counts, w1, w2: _grouped_forward(x, counts, w1, w2, act_fn),
-            lambda x, counts, w1, w2: _loop_forward(x, counts, w1, w2, act_fn),
+            lambda x, counts, weights, scale: _per_expert_forward(x, counts, weights[0], weights[1], act_fn, scale),
+            counts_host,
         )
 
 
@@ -237,17 +272,68 @@ def _grouped_forward(
     return GROUPED_MM(a_NI, w2_LHI.transpose(-2, -1), offs=offsets_L)
 
 
-def _loop_forward(
+def _per_expert_forward(
     x_NH: torch.Tensor,
-    counts_L: torch.Tensor,
+    counts: list[int],
     w1_LFH: torch.Tensor,
     w2_LHI: torch.Tensor,
     act_fn: Callable[[torch.Tensor], torch.Tensor],
+    grad_scale: float,
 ) -> torch.Tensor:
-    # One host read of the counts. Every expert runs, even on zero rows, so each weight slice is
-    # in the graph and gets a zero gradient rather than none.
-    outputs = []
-    for e, x_nH in enumerate(torch.split(x_NH, counts_L.tolist())):
-        gate_nI, up_nI = F.linear(x_nH, w1_LFH[e]).chunk(2, dim=-1)
-        outputs.append(F.linear(act_fn(gate_nI) * up_nI, w2_LHI[e]))
-    return torch.cat(outputs, dim=0)
+    h_NF = segment_linear(x_NH, w1_LFH, counts, grad_scale)
+    return segment_linear(swiglu(h_NF, act_fn), w2_LHI, counts, grad_scale)
+
+
+def segment_linear(x_NK: torch.Tensor, w_LFK: torch.Tensor, counts: list[int], grad_scale: float = 1.0) -> torch.Tensor:
+    """``y[rows of e] = x[rows of e] @ w[e].T`` for consecutive row blocks of ``counts[e]`` rows.
+
+    One GEMM per non-empty block, written in place into the output (no split, no ``cat``); in
+    backward one GEMM per block for the input's gradient and one for the weight's, which the
+    GEMM multiplies by ``grad_scale`` (``alpha``) as it writes it. An expert with no rows gets a
+    zero weight gradient.
+    """
+    return _SegmentLinear.apply(x_NK, w_LFK, counts, grad_scale)
+
+
+def _blocks(counts: list[int]) -> list[tuple[int, int, int]]:
+    """``(expert, start, stop)`` of every non-empty block."""
+    out, start = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            out.append((e, start, start + c))
+        start += c
+    return out
+
+
+class _SegmentLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x_NK: torch.Tensor, w_LFK: torch.Tensor, counts: list[int], grad_scale: float
+    ) -> torch.Tensor:
+        blocks = _blocks(counts)
+        y_NF = x_NK.new_empty(x_NK.shape[0], w_LFK.shape[1])
+        for e, start, stop in blocks:
+            torch.mm(x_NK[start:stop], w_LFK[e].t(), out=y_NF[start:stop])
+        ctx.save_for_backward(x_NK, w_LFK)
+        ctx.blocks, ctx.grad_scale = blocks, grad_scale
+        return y_NF
+
+    @staticmethod
+    def backward(ctx: Any, grad_NF: torch.Tensor) -> tuple[Any, ...]:
+        x_NK, w_LFK = ctx.saved_tensors
+        grad_NF = grad_NF.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.empty_like(x_NK)
+            for e, start, stop in ctx.blocks:
+                torch.mm(grad_NF[start:stop], w_LFK[e], out=grad_x[start:stop])
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.empty_like(w_LFK)
+            if len(ctx.blocks) < w_LFK.shape[0]:
+                grad_w.zero_()
+            for e, start, stop in ctx.blocks:
+                # beta=0: the uninitialised ``out`` is never read.
+                torch.addmm(
+                    grad_w[e], grad_NF[start:stop].t(), x_NK[start:stop], beta=0, alpha=ctx.grad_scale, out=grad_w[e]
+                )
+        return grad_x, grad_w, None, None

@@ -18,10 +18,12 @@ The module follows ``GroupedExperts``'s interface: ``forward(x_NH, counts_L)``, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
-from lightning_ep.moe.experts import GROUPED_MM, RoutedExperts
+from lightning_ep.moe.experts import GROUPED_MM, RoutedExperts, with_grad_scale
 
 
 class InterleavedGLUExperts(RoutedExperts):
@@ -84,17 +86,20 @@ class InterleavedGLUExperts(RoutedExperts):
         up = h_NF[..., 1::2].clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def forward(self, x_NH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_NH: torch.Tensor, counts_L: torch.Tensor, counts_host: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Run each local expert on its contiguous block of rows.
 
         Args:
             x_NH: rows sorted by local expert.
             counts_L: rows per local expert (int, on any device), summing to ``N``.
+            counts_host: the same counts as host integers, when the caller has them.
         Returns:
             ``[N, H]`` expert outputs, in the order of ``x_NH``.
         """
         params = [self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias]
-        return self.run(x_NH, counts_L, params, (0, 2), self._grouped_forward, self._loop_forward)
+        return self.run(x_NH, counts_L, params, (0, 2), self._grouped_forward, self._loop_forward, counts_host)
 
     def _grouped_forward(
         self,
@@ -117,21 +122,20 @@ class InterleavedGLUExperts(RoutedExperts):
         return GROUPED_MM(a_NI, w2_LIH, offs=offsets_L) + b2_LH[expert_N]
 
     def _loop_forward(
-        self,
-        x_NH: torch.Tensor,
-        counts_L: torch.Tensor,
-        w1_LHF: torch.Tensor,
-        b1_LF: torch.Tensor,
-        w2_LIH: torch.Tensor,
-        b2_LH: torch.Tensor,
+        self, x_NH: torch.Tensor, counts: list[int], weights: list[torch.Tensor], grad_scale: float
     ) -> torch.Tensor:
-        # One host read of the counts. Every expert runs, even on zero rows, so each weight slice is
-        # in the graph and gets a zero gradient rather than none.
-        outputs = []
-        for e, x_nH in enumerate(torch.split(x_NH, counts_L.tolist())):
-            a_nI = self.glu(x_nH @ w1_LHF[e] + b1_LF[e])
-            outputs.append(a_nI @ w2_LIH[e] + b2_LH[e])
-        return torch.cat(outputs, dim=0)
+        def run(
+            x_NH: torch.Tensor, w1_LHF: torch.Tensor, b1_LF: torch.Tensor, w2_LIH: torch.Tensor, b2_LH: torch.Tensor
+        ) -> torch.Tensor:
+            # Every expert runs, even on zero rows, so each weight slice is in the graph and gets
+            # a zero gradient rather than none.
+            outputs = []
+            for e, x_nH in enumerate(torch.split(x_NH, counts)):
+                a_nI = self.glu(x_nH @ w1_LHF[e] + b1_LF[e])
+                outputs.append(a_nI @ w2_LIH[e] + b2_LH[e])
+            return torch.cat(outputs, dim=0)
+
+        return with_grad_scale(run, x_NH, weights, grad_scale)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, alpha={self.alpha}, limit={self.limit}"

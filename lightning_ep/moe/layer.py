@@ -221,7 +221,7 @@ class MoELayer(nn.Module):
         else:
             x_MH = dispatched.x_MH
             shared_TH = self._shared(x_TH)
-        y_MH = self.experts(x_MH, dispatched.counts_L)
+        y_MH = self.experts(x_MH, dispatched.counts_L, dispatched.counts_host)
         out_TH = self.dispatcher.combine(y_MH, weights_TK, dispatched)
         if shared_TH is not None:
             out_TH = out_TH + shared_TH

@@ -28,6 +28,9 @@ WORLD2 = {
         Case(degree=2, capacity=0.5),
         Case(degree=2, capacity=0.75, policy="position", mode="aux_loss"),
         Case(degree=2, capacity=4.0),
+        Case(degree=2, per_expert=True),
+        Case(degree=2, skew=True, per_expert=True),
+        Case(degree=2, capacity=0.5, per_expert=True),
     ],
     "all_gather": [
         Case(degree=1, all_to_all=False),
@@ -36,6 +39,7 @@ WORLD2 = {
         Case(degree=2, all_to_all=False, mode="aux_loss"),
         Case(degree=2, all_to_all=False, shuffle=True),
         Case(degree=2, all_to_all=False, skew=True),
+        Case(degree=2, all_to_all=False, skew=True, per_expert=True),
     ],
 }
 WORLD4 = {
@@ -50,6 +54,7 @@ WORLD4 = {
         Case(degree=2, replicate=2, clip=0.5),
         Case(degree=4, capacity=0.5, skew=True),
         Case(degree=4, budget=1000, skew=True),
+        Case(degree=4, budget=1000, skew=True, per_expert=True),
         Case(degree=2, replicate=2, capacity=1.0, policy="position"),
     ],
     "all_gather": [

@@ -70,6 +70,7 @@ class Case:
     capacity: float | None = None
     policy: str = "probs"
     budget: int | None = None
+    per_expert: bool = False  # the experts run one GEMM per expert on the dispatcher's host counts
 
     def config(self) -> MoEConfig:
         return MoEConfig(
@@ -97,6 +98,13 @@ def _skew_router(model: torch.nn.Module) -> None:
         layer.gate.register_forward_hook(hook)
 
 
+def _check_host_counts(_experts: torch.nn.Module, args: tuple) -> None:
+    """The dispatcher handed the experts its host copy of the counts (so the per-expert GEMMs need
+    no sync of their own), and it is right."""
+    _x_MH, counts_L, counts_host = args
+    assert counts_host is not None and counts_host == counts_L.tolist(), (counts_host, counts_L)
+
+
 def run_case(rank: int, world: int, case: Case) -> None:
     """Two AdamW steps under transform + shard_model vs the reference, asserting equality."""
     device = torch.device(case.device, rank) if case.device == "cuda" else torch.device("cpu")
@@ -107,6 +115,10 @@ def run_case(rank: int, world: int, case: Case) -> None:
     model = copy.deepcopy(base)
     mesh = lightning_ep.init_mesh(case.degree, replicate_degree=case.replicate, device_type=device.type)
     lightning_ep.transform(model, config, mesh=mesh)
+    if case.per_expert:
+        for layer in lightning_ep.moe_layers(model):
+            layer.experts.use_grouped_mm = False
+            layer.experts.register_forward_pre_hook(_check_host_counts)
     lightning_ep.shard_model(model, mesh)
     rtol = case.rtol
     if case.skew:

@@ -245,3 +245,37 @@ def test_expert_parallel_layer_makes_at_most_one_host_sync(one_rank_nccl_group, 
     step = _fwd_bwd(layer)
     step()
     assert _count_syncs(step) == 1
+
+
+@pytest.mark.parametrize(("counts", "per_expert"), [([2600, 0, 3500, 2400], True), ([300] * 16, False)])
+def test_experts_pick_per_expert_gemms_for_few_large_experts(counts, per_expert):
+    # With host counts, use_grouped_mm=None runs one cuBLAS GEMM per expert once the experts
+    # average per_expert_min_rows rows; the result equals the forced per-expert path bitwise and
+    # the grouped GEMM within bf16 round-off.
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    L, H, I = len(counts), 256, 128  # noqa: E741
+    w1 = torch.randn(L, 2 * I, H, generator=g, device=CUDA).bfloat16() * 0.05
+    w2 = torch.randn(L, H, I, generator=g, device=CUDA).bfloat16() * 0.05
+    x = torch.randn(sum(counts), H, generator=g, device=CUDA).bfloat16()
+    up = torch.randn(sum(counts), H, generator=g, device=CUDA).bfloat16()
+    counts_L = torch.tensor(counts, device=CUDA)
+
+    def run(use_grouped_mm, host):
+        weights = nn.Parameter(w1.clone()), nn.Parameter(w2.clone())
+        experts = GroupedExperts(*weights, F.silu, use_grouped_mm=use_grouped_mm)
+        experts.grad_scale = 0.5
+        xr = x.clone().requires_grad_(True)
+        out = experts(xr, counts_L, host)
+        (out.float() * up).sum().backward()
+        return experts, [out, xr.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+
+    auto, got = run(None, counts)
+    assert auto._prefers_per_expert(x, counts) is per_expert
+    _, forced = run(False if per_expert else True, counts)
+    for a, b in zip(got, forced, strict=True):
+        assert torch.equal(a, b)
+    _, grouped = run(True, None)
+    for a, b in zip(got, grouped, strict=True):
+        assert rel_err(a, b) < 1e-2
+    if per_expert:
+        assert torch.all(got[2][1] == 0) and torch.all(got[3][1] == 0)  # the idle expert
