@@ -21,7 +21,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   layer and the routing of its MoE layer (``compile_layers=True``; on a baseline row the same
   ``compile_blocks``, its MoE block included), ``+compile_dense`` the dense parts only, ``+zero2`` keeps
   gathered parameters from forward to backward (``reshard_after_forward=False``), ``+monitor`` adds
-  ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); ``@reference``
+  ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); options combine
+  (``ep:a2a+compile+zero2``); ``@reference``
   (or another of ``_common.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
@@ -288,7 +289,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     row, _, code = row.partition("@")
-    base, _, option = row.partition("+")
+    base, *options = row.split("+")
     held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     if held:
         log(f"memory held before the row: {held / 2**30:.2f} GiB (subtracted from its peak)")
@@ -298,12 +299,12 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         from lightning_ep import ExpertParallelStrategy, MoEConfig
 
         moe = MoEConfig(moe_load_balancing=args.balancing, moe_all_to_all_dispatcher=base == "ep:a2a")  # type: ignore[arg-type]
-        checkpointing = {"ac": True, "ac_keep": "keep_all_to_all"}.get(option, False)
+        checkpointing: bool | str = "keep_all_to_all" if "ac_keep" in options else "ac" in options
         strategy: Any = ExpertParallelStrategy(
             degree=world(),
             moe=moe,
-            reshard_after_forward=option != "zero2",
-            compile_layers=option == "compile",
+            reshard_after_forward="zero2" not in options,
+            compile_layers="compile" in options,
             activation_checkpointing=checkpointing,  # type: ignore[arg-type]
         )
     elif base == "hf_ep":
@@ -315,7 +316,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         trace = str(Path(args.trace) / f"{shape.name}_{row.replace(':', '_').replace('+', '_').replace('@', '_')}.json")
     clock = _callback(args.warmup, args.steps, device, args.profile, trace)
     callbacks: list[Any] = [clock]
-    if option == "monitor":
+    if "monitor" in options:
         # Worst case for the monitor's cost: its window (one all-reduce + one host read) every step.
         from lightning_ep import MoEMonitor
 
@@ -340,10 +341,10 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         args.seq,
         pretrained,
         args.lr,
-        prefetch=option == "prefetch",
+        prefetch="prefetch" in options,
         optimizer=args.optimizer,
-        compile_layers=option == "compile",
-        compile_dense_only=option == "compile_dense",
+        compile_layers="compile" in options,
+        compile_dense_only="compile_dense" in options,
     )
     steps = args.warmup + args.steps + 1
     data = torch.utils.data.DataLoader(_Tokens(steps * batch * world(), args.seq, shape.vocab), batch_size=batch)
@@ -438,6 +439,7 @@ def main() -> None:
     for row in args.rows:
         spec, _, code = row.partition("@")
         base, _, option = spec.partition("+")
+        option = option.replace("+", " + ")
         label = ROW_LABELS.get(base, base) + (f" + {option}" if option else "") + (f" [{code} code]" if code else "")
         if base.startswith("ep:"):
             if world() == 1:
