@@ -155,7 +155,7 @@ def variant(name: str) -> Iterator[None]:
     - ``atomic-bwd``: permutations and the combine by ``index_select`` + ``bmm`` under plain
       autograd (zero-fill + scatter-add backward, outer-product GEMM);
     - ``grouped-experts``: the grouped GEMM even where the experts would pick one cuBLAS GEMM per
-      expert (``GroupedExperts.per_expert_min_rows = None``);
+      expert (``GroupedExperts.per_expert_min_gflop = None``);
     - ``reference``: all of the above (the code before these changes);
     - ``serial-shared``: nothing patched here; ``bench_layer`` sets the layer's
       ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it).
@@ -174,7 +174,7 @@ def variant(name: str) -> Iterator[None]:
             "weighted_unsort": _bmm_unsort,
         }
     if name in ("grouped-experts", "reference"):
-        patches |= {"per_expert_min_rows": None}
+        patches |= {"per_expert_min_gflop": None}
     modules = (combine, dispatch, dispatch_ep, swiglu, GroupedExperts)
     saved = [(m, k, getattr(m, k)) for m in modules for k in patches if k in vars(m)]
     for module, key, _ in saved:

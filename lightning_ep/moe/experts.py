@@ -136,10 +136,11 @@ class RoutedExperts(nn.Module):
         """Global number of experts (the first dim of the global weight shape)."""
         return self.gate_up_proj.shape[0]
 
-    #: Mean rows per local expert from which ``use_grouped_mm=None`` runs one cuBLAS GEMM per expert
-    #: instead of the grouped GEMM, when the dispatcher already read the counts to the host (no
-    #: extra sync). ``None``: never. Set by subclasses that have a measured per-expert path.
-    per_expert_min_rows: int | None = None
+    #: Size of an average expert's first GEMM (GFLOP: 2 x mean rows x that weight's elements) from
+    #: which ``use_grouped_mm=None`` runs one cuBLAS GEMM per expert instead of the grouped GEMM, on
+    #: CUDA and when the dispatcher already read the counts to the host (no extra sync). ``None``:
+    #: never. Set by subclasses that have a measured per-expert path.
+    per_expert_min_gflop: float | None = None
 
     def run(
         self,
@@ -159,7 +160,7 @@ class RoutedExperts(nn.Module):
         weights = compute_weights(params, self.compute_dtype)
         i, j = gemm_weights
         grouped_ok = use_grouped(x_NH, counts_L, weights[i], weights[j], self.use_grouped_mm)
-        if grouped_ok and not self._prefers_per_expert(x_NH, counts_host):
+        if grouped_ok and not self.prefers_per_expert(x_NH, counts_host, weights[i]):
             return with_grad_scale(lambda x, *w: grouped(x, counts_L, *w), x_NH, weights, self.grad_scale)
         counts = list(counts_host) if counts_host is not None else counts_L.tolist()
         if len(counts) != weights[i].shape[0] or sum(counts) != x_NH.shape[0]:
@@ -169,11 +170,14 @@ class RoutedExperts(nn.Module):
             )
         return loop(x_NH, counts, weights, self.grad_scale)
 
-    def _prefers_per_expert(self, x_NH: torch.Tensor, counts_host: Sequence[int] | None) -> bool:
-        minimum = self.per_expert_min_rows
+    def prefers_per_expert(self, x_NH: torch.Tensor, counts_host: Sequence[int] | None, w_first: torch.Tensor) -> bool:
+        """Whether ``use_grouped_mm=None`` picks the per-expert GEMMs for these rows (``w_first``: the
+        local weights of the first GEMM, ``[L, ...]``)."""
+        minimum = self.per_expert_min_gflop
         if self.use_grouped_mm is not None or counts_host is None or minimum is None or not x_NH.is_cuda:
             return False
-        return x_NH.shape[0] >= minimum * len(counts_host)
+        mean_rows = x_NH.shape[0] / max(len(counts_host), 1)
+        return 2 * mean_rows * w_first[0].numel() / 1e9 >= minimum
 
 
 class GroupedExperts(RoutedExperts):
@@ -196,15 +200,16 @@ class GroupedExperts(RoutedExperts):
     gradients flow back in the parameters' dtype). ``shard_model`` sets it to FSDP2's
     ``param_dtype`` when it leaves the experts out of FSDP2 (no expert-data-parallel ranks).
 
-    The per-expert path (``use_grouped_mm=False``, or ``None`` with host counts and at least
-    ``per_expert_min_rows`` rows per expert on CUDA) runs one cuBLAS GEMM per expert and GEMM,
-    written in place, with the gradient scale folded into the weight-gradient GEMMs. On an H200 it
-    beats the grouped GEMM when few experts get many rows (Mixtral's shapes at degree 2, 4 experts
-    of ~4096 rows: 25.5 vs 27.0 ms for the six GEMMs of forward + backward) and loses badly with
-    many small experts (128 of width 768, ~1024 rows each: 3x slower), see ``benchmarks/RESULTS.md``.
+    The per-expert path (``use_grouped_mm=False``, or ``None`` on CUDA with host counts and an
+    average expert's first GEMM of at least ``per_expert_min_gflop``) runs one cuBLAS GEMM per
+    expert and GEMM, written in place, with the gradient scale folded into the weight-gradient
+    GEMMs. On an H200 it beats the grouped GEMM on large experts whatever the rows (Mixtral's
+    4096 x 14336: 6-12% less time for 512 to 4096 rows per expert; a 120 GFLOP first GEMM at 512
+    rows) and loses on narrow ones (width 768 or 1408, 512 to 4096 rows: up to 3x slower; even at
+    best, width 1408 and 4096 rows, a 47 GFLOP first GEMM); see ``benchmarks/RESULTS.md``, Session 4.
     """
 
-    per_expert_min_rows = 2048
+    per_expert_min_gflop = 64.0
 
     def __init__(
         self,

@@ -247,13 +247,14 @@ def test_expert_parallel_layer_makes_at_most_one_host_sync(one_rank_nccl_group, 
     assert _count_syncs(step) == 1
 
 
-@pytest.mark.parametrize(("counts", "per_expert"), [([2600, 0, 3500, 2400], True), ([300] * 16, False)])
-def test_experts_pick_per_expert_gemms_for_few_large_experts(counts, per_expert):
-    # With host counts, use_grouped_mm=None runs one cuBLAS GEMM per expert once the experts
-    # average per_expert_min_rows rows; the result equals the forced per-expert path bitwise and
-    # the grouped GEMM within bf16 round-off.
+@pytest.mark.parametrize(("counts", "per_expert"), [([9000, 0, 12000, 11000], True), ([300] * 16, False)])
+def test_experts_pick_per_expert_gemms_for_large_experts(counts, per_expert):
+    # With host counts, use_grouped_mm=None runs one cuBLAS GEMM per expert once an average
+    # expert's first GEMM reaches per_expert_min_gflop (here 2 x 8000 x 4096 x 1024 = 67 GFLOP
+    # against 2.5); the result equals the forced per-expert path bitwise and the grouped GEMM within
+    # bf16 round-off.
     g = torch.Generator(device=CUDA).manual_seed(0)
-    L, H, I = len(counts), 256, 128  # noqa: E741
+    L, H, I = len(counts), 1024, 2048  # noqa: E741
     w1 = torch.randn(L, 2 * I, H, generator=g, device=CUDA).bfloat16() * 0.05
     w2 = torch.randn(L, H, I, generator=g, device=CUDA).bfloat16() * 0.05
     x = torch.randn(sum(counts), H, generator=g, device=CUDA).bfloat16()
@@ -270,7 +271,7 @@ def test_experts_pick_per_expert_gemms_for_few_large_experts(counts, per_expert)
         return experts, [out, xr.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
 
     auto, got = run(None, counts)
-    assert auto._prefers_per_expert(x, counts) is per_expert
+    assert auto.prefers_per_expert(x, counts, auto.gate_up_proj) is per_expert
     _, forced = run(False if per_expert else True, counts)
     for a, b in zip(got, forced, strict=True):
         assert torch.equal(a, b)
