@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ep.moe import GroupedExperts, combine, dispatch, dispatch_ep, swiglu
+from lightning_ep.parallel import fsdp
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 VARIANTS = (
@@ -34,6 +35,7 @@ VARIANTS = (
     "sync-counts",
     "atomic-bwd",
     "grouped-experts",
+    "root-head",
     "reference",
     "serial-shared",
 )
@@ -156,6 +158,8 @@ def variant(name: str) -> Iterator[None]:
       autograd (zero-fill + scatter-add backward, outer-product GEMM);
     - ``grouped-experts``: the grouped GEMM even where the experts would pick one cuBLAS GEMM per
       expert (``GroupedExperts.per_expert_min_gflop = None``);
+    - ``root-head``: the output projection stays in the root's FSDP2 unit (``shard_model``), not
+      in one of its own;
     - ``reference``: all of the above (the code before these changes);
     - ``serial-shared``: nothing patched here; ``bench_layer`` sets the layer's
       ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it).
@@ -175,7 +179,9 @@ def variant(name: str) -> Iterator[None]:
         }
     if name in ("grouped-experts", "reference"):
         patches |= {"per_expert_min_gflop": None}
-    modules = (combine, dispatch, dispatch_ep, swiglu, GroupedExperts)
+    if name in ("root-head", "reference"):
+        patches |= {"output_head": lambda model: None}
+    modules = (combine, dispatch, dispatch_ep, swiglu, GroupedExperts, fsdp)
     saved = [(m, k, getattr(m, k)) for m in modules for k in patches if k in vars(m)]
     for module, key, _ in saved:
         setattr(module, key, patches[key])

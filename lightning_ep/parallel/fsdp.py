@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -45,8 +46,8 @@ def shard_model(
       reduce-scatter on one rank, and gradients cast to the reduce dtype and back. The experts are
       then left out of FSDP2 (their DTensors on ``ep`` need no reduction), and their
       ``compute_dtype`` is set to ``mp_policy.param_dtype`` so the matmuls run in the same dtype.
-    - Each decoder layer, then the root, is sharded over ``("replicate", "shard")``: HSDP when the
-      replicate degree is above 1.
+    - Each decoder layer, then the output projection (see ``output_head``), then the root, is
+      sharded over ``("replicate", "shard")``: HSDP when the replicate degree is above 1.
 
     Every trainable parameter ends up a DTensor; a ``RuntimeError`` says which one did not.
 
@@ -84,10 +85,47 @@ def shard_model(
     for block in decoder_blocks(model):
         if not isinstance(block, FSDPModule):
             fully_shard(block, mesh=shard_mesh, **kwargs)
-    if not isinstance(model, FSDPModule):
-        fully_shard(model, mesh=shard_mesh, **kwargs)
+    _shard_head_and_root(model, shard_mesh, kwargs)
     check_all_sharded(model)
     return model
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output projection (Hugging Face's ``get_output_embeddings()``, the ``lm_head``)
+    when it shares no weight with the input embedding, else ``None``.
+
+    ``shard_model`` gives it an FSDP2 unit of its own, kept gathered from a training forward to
+    its backward (they follow each other; a forward without grad reshards it at once): its
+    gradient's reduce-scatter then overlaps the decoder layers' backward instead of waiting for
+    the root's at the very end, and the last decoder layer's all-gather for backward overlaps the
+    head's backward.
+    """
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    if not isinstance(head, nn.Module) or isinstance(head, FSDPModule):
+        return None
+    get_input = getattr(model, "get_input_embeddings", None)
+    embedding = get_input() if callable(get_input) else None
+    head_weights = {id(p) for p in head.parameters()}
+    if embedding is not None and any(id(p) in head_weights for p in embedding.parameters()):
+        return None  # tied: one parameter cannot sit in two FSDP2 units
+    return head
+
+
+def _reshard_without_grad(module: nn.Module, _args: Any, _output: Any) -> None:
+    # No backward follows a forward without grad (evaluation, generation): free the gathered
+    # weight now, so that the parameters are sharded DTensors again, as after every other unit's.
+    if not torch.is_grad_enabled():
+        module.reshard()  # type: ignore[operator]
+
+
+def _shard_head_and_root(model: nn.Module, shard_mesh: DeviceMesh, kwargs: dict[str, Any]) -> None:
+    head = output_head(model)
+    if head is not None:
+        fully_shard(head, mesh=shard_mesh, **{**kwargs, "reshard_after_forward": False})
+        head.register_forward_hook(_reshard_without_grad)  # runs after FSDP2's own post-forward hook
+    if not isinstance(model, FSDPModule):
+        fully_shard(model, mesh=shard_mesh, **kwargs)
 
 
 def shard_named_blocks(
@@ -99,7 +137,8 @@ def shard_named_blocks(
 ) -> list[nn.Module]:
     """FSDP2 for a model that keeps its own MoE blocks (``MoEConfig(smp_moe=False)``): each module
     whose class is named in the model's ``_no_split_modules`` (Hugging Face's decoder layers), then
-    the root, over ``("replicate", "shard")`` like ``shard_model``'s dense part.
+    the output projection and the root, over ``("replicate", "shard")`` like ``shard_model``'s
+    dense part.
 
     Returns:
         The blocks sharded, in module order.
@@ -112,7 +151,7 @@ def shard_named_blocks(
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     for block in blocks:
         fully_shard(block, mesh=shard_mesh, **kwargs)
-    fully_shard(model, mesh=shard_mesh, **kwargs)
+    _shard_head_and_root(model, shard_mesh, kwargs)
     return blocks
 
 
@@ -133,4 +172,11 @@ def gradient_sync(model: nn.Module, enabled: bool) -> None:
             module.set_requires_gradient_sync(enabled, recurse=False)
 
 
-__all__ = ["check_all_sharded", "decoder_blocks", "gradient_sync", "shard_model", "shard_named_blocks"]
+__all__ = [
+    "check_all_sharded",
+    "decoder_blocks",
+    "gradient_sync",
+    "output_head",
+    "shard_model",
+    "shard_named_blocks",
+]

@@ -31,6 +31,7 @@ WORLD2 = {
         Case(degree=2, per_expert=True),
         Case(degree=2, skew=True, per_expert=True),
         Case(degree=2, capacity=0.5, per_expert=True),
+        Case(degree=2, tied=True),
     ],
     "all_gather": [
         Case(degree=1, all_to_all=False),

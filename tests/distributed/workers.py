@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import lightning_ep
@@ -71,6 +72,7 @@ class Case:
     policy: str = "probs"
     budget: int | None = None
     per_expert: bool = False  # the experts run one GEMM per expert on the dispatcher's host counts
+    tied: bool = False  # lm_head shares the input embedding's weight
 
     def config(self) -> MoEConfig:
         return MoEConfig(
@@ -108,7 +110,7 @@ def _check_host_counts(_experts: torch.nn.Module, args: tuple) -> None:
 def run_case(rank: int, world: int, case: Case) -> None:
     """Two AdamW steps under transform + shard_model vs the reference, asserting equality."""
     device = torch.device(case.device, rank) if case.device == "cuda" else torch.device("cpu")
-    base = tiny_mixtral().to(device=device, dtype=getattr(torch, case.dtype))
+    base = tiny_mixtral(tie_word_embeddings=case.tied).to(device=device, dtype=getattr(torch, case.dtype))
     config = case.config()
     ref_config = replace(config, global_token_shuffle=False) if case.shuffle else config
     ref = lightning_ep.transform(copy.deepcopy(base), ref_config)
@@ -120,6 +122,9 @@ def run_case(rank: int, world: int, case: Case) -> None:
             layer.experts.use_grouped_mm = False
             layer.experts.register_forward_pre_hook(_check_host_counts)
     lightning_ep.shard_model(model, mesh)
+    # An untied lm_head is an FSDP2 unit of its own; a tied one stays in the root's.
+    assert isinstance(model.lm_head, FSDPModule) is not case.tied
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is case.tied
     rtol = case.rtol
     if case.skew:
         _skew_router(ref)
@@ -182,6 +187,9 @@ def run_case(rank: int, world: int, case: Case) -> None:
     for name, p in model.named_parameters():
         err = rel_err(full(p.detach()), ref_names[name].detach())
         assert err <= rtol, (tag, "after AdamW", name, err)
+    with torch.no_grad():  # evaluation: every unit, the lm_head's included, is sharded again after it
+        model(input_ids=micro_batch(0, rank).to(device))
+    assert all(isinstance(p, DTensor) for p in model.parameters()), tag
 
 
 def run_cases(rank: int, world: int, cases: list[Case]) -> None:
