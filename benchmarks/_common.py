@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ep.moe import GroupedExperts, combine, dispatch, dispatch_ep, swiglu
+from lightning_ep.parallel import compile as compiling
 from lightning_ep.parallel import fsdp
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -36,6 +37,7 @@ VARIANTS = (
     "atomic-bwd",
     "grouped-experts",
     "root-head",
+    "eager-loss",
     "reference",
     "serial-shared",
 )
@@ -160,6 +162,7 @@ def variant(name: str) -> Iterator[None]:
       expert (``GroupedExperts.per_expert_min_gflop = None``);
     - ``root-head``: the output projection stays in the root's FSDP2 unit (``shard_model``), not
       in one of its own;
+    - ``eager-loss``: ``compile_layers`` / ``+compile`` leave the loss function eager;
     - ``reference``: all of the above (the code before these changes);
     - ``serial-shared``: nothing patched here; ``bench_layer`` sets the layer's
       ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it).
@@ -181,7 +184,9 @@ def variant(name: str) -> Iterator[None]:
         patches |= {"per_expert_min_gflop": None}
     if name in ("root-head", "reference"):
         patches |= {"output_head": lambda model: None}
-    modules = (combine, dispatch, dispatch_ep, swiglu, GroupedExperts, fsdp)
+    if name in ("eager-loss", "reference"):
+        patches |= {"compile_loss": lambda model, **kwargs: False}
+    modules = (combine, dispatch, dispatch_ep, swiglu, GroupedExperts, fsdp, compiling)
     saved = [(m, k, getattr(m, k)) for m in modules for k in patches if k in vars(m)]
     for module, key, _ in saved:
         setattr(module, key, patches[key])

@@ -313,7 +313,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per GPU (batch x sequence)")
     parser.add_argument("--degrees", nargs="+", type=int, default=None, help="default: 1 and the world size")
     parser.add_argument("--dispatchers", nargs="+", default=["a2a", "allgather"], choices=["a2a", "allgather"])
-    layer_variants = [v for v in VARIANTS if v != "root-head"]  # root-head changes the model's FSDP2 only
+    layer_variants = [v for v in VARIANTS if v not in ("root-head", "eager-loss")]  # model-level variants
     parser.add_argument("--variants", nargs="+", default=layer_variants, choices=layer_variants)
     parser.add_argument("--balancing", default="none", choices=["none", "aux_loss", "sinkhorn", "balanced"])
     parser.add_argument("--warmup", type=int, default=5)

@@ -18,8 +18,9 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   row sets FSDP2 forward/backward prefetch of the next decoder layer explicitly, ``+ac`` checkpoints
   every decoder layer (``activation_checkpointing=True``), ``+ac_keep`` does so keeping the MoE
   layers' exchanges (``"keep_all_to_all"``), ``+compile`` compiles the dense parts of each decoder
-  layer and the routing of its MoE layer (``compile_layers=True``; on a baseline row the same
-  ``compile_blocks``, its MoE block included), ``+compile_dense`` the dense parts only, ``+zero2`` keeps
+  layer, the routing of its MoE layer and the loss (``compile_layers=True``; on a baseline row the
+  same ``compile_blocks``, its MoE block included, and ``compile_loss``), ``+compile_dense`` the
+  dense parts only, ``+zero2`` keeps
   gathered parameters from forward to backward (``reshard_after_forward=False``), ``+monitor`` adds
   ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); options combine
   (``ep:a2a+compile+zero2``); ``@reference``
@@ -124,9 +125,10 @@ def make_module(
             if row in ("eager", "grouped_mm"):
                 shard_baseline(model, self.device_mesh["data_parallel"], self.device)
                 if compile_layers:
-                    from lightning_ep.parallel.compile import compile_blocks
+                    from lightning_ep.parallel import compile as compiling
 
-                    compile_blocks(model.model.layers)
+                    compiling.compile_blocks(model.model.layers)
+                    compiling.compile_loss(model)  # as compile_layers=True does
             self.model = model
 
         def on_fit_start(self) -> None:

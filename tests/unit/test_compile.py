@@ -19,7 +19,13 @@ from conftest import rel_err
 from torch._dynamo.utils import counters
 
 import lightning_ep
-from lightning_ep.parallel.compile import compile_blocks, compile_for_training, dense_children, is_compiled
+from lightning_ep.parallel.compile import (
+    compile_blocks,
+    compile_for_training,
+    compile_loss,
+    dense_children,
+    is_compiled,
+)
 from lightning_ep.parallel.fsdp import decoder_blocks
 
 RTOL = 1e-5
@@ -89,12 +95,39 @@ def test_compiled_layers_match_eager(family: str) -> None:
 
 
 def test_compile_for_training_turns_the_kv_cache_off() -> None:
-    """The helper the strategy calls: no KV cache (it would make a graph per layer index), then compile."""
+    """The helper the strategy calls: no KV cache (it would make a graph per layer index), then
+    compile the layers and the loss."""
     model = lightning_ep.transform(_tiny("mixtral"), lightning_ep.MoEConfig())
     assert model.config.use_cache
     assert compile_for_training(model, decoder_blocks(model)) == 2
     assert model.config.use_cache is False
     assert all(is_compiled(block) for block in decoder_blocks(model))
+    assert not compile_loss(model), "compile_for_training compiled the loss already"
+
+
+def test_compiled_loss_matches_eager() -> None:
+    """The causal-LM loss, fused by inductor (fp32 log-softmax without an fp32 copy of the logits),
+    gives the eager loss and gradients; a module without Hugging Face's ``loss_function`` is left alone."""
+    eager = _tiny("mixtral").train()
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_loss(compiled)
+    assert not compile_loss(compiled), "idempotent"
+    assert not compile_loss(torch.nn.Linear(2, 2))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, :5] = -100  # ignored positions, as padding gives
+    losses = []
+    for model in (eager, compiled):
+        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert rel_err(losses[1], losses[0]) < RTOL, losses
+    grads = dict(eager.named_parameters())
+    for name, param in compiled.named_parameters():
+        assert rel_err(param.grad, grads[name].grad) < RTOL, name
 
 
 def test_checkpointed_layers_still_compile() -> None:
