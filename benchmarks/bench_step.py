@@ -23,7 +23,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   dense parts only, ``+zero2`` keeps
   gathered parameters from forward to backward (``reshard_after_forward=False``), ``+monitor`` adds
   ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); options combine
-  (``ep:a2a+compile+zero2``); ``@reference``
+  (``ep:a2a+compile+zero2``); ``+manualgc`` turns Python's garbage collector off during the fit and
+  collects the young generations every 5 steps instead; ``@reference``
   (or another of ``_common.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
@@ -94,6 +95,7 @@ def make_module(
     optimizer: str,
     compile_layers: bool = False,
     compile_dense_only: bool = False,
+    manual_gc: bool = False,
 ) -> Any:
     from lightning.pytorch import LightningModule
 
@@ -141,7 +143,17 @@ def make_module(
                 compile_blocks(decoder_blocks(self.model), routing=False)
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            if manual_gc:  # Python's collector off, a young-generation pass every 5 steps instead
+                if batch_idx == 0:
+                    gc.collect()
+                    gc.disable()
+                elif batch_idx % 5 == 0:
+                    gc.collect(1)
             return self.model(input_ids=batch, labels=batch, use_cache=False).loss
+
+        def on_fit_end(self) -> None:
+            if manual_gc:
+                gc.enable()
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             if row == "hf_ep":  # HF 5.17's EP mixes plain tensors and DTensors: foreach / fused fail there
@@ -344,6 +356,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         pretrained,
         args.lr,
         prefetch="prefetch" in options,
+        manual_gc="manualgc" in options,
         optimizer=args.optimizer,
         compile_layers="compile" in options,
         compile_dense_only="compile_dense" in options,
