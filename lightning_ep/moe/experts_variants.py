@@ -12,7 +12,7 @@ up columns: ``gate_up_proj [E, H, 2I]`` (column ``2j`` is gate unit ``j``, colum
     gate, up = min(h[0::2], limit), clamp(h[1::2], -limit, limit)
     y = ((up + 1) * gate * sigmoid(alpha * gate)) @ down_proj[e] + down_proj_bias[e]
 
-The module follows ``GroupedExperts``'s interface: ``forward(x_NH, counts_L)``, ``num_experts``,
+The module follows ``GroupedExperts``'s interface: ``forward(x_NH, counts_L, counts_host=None)``, ``num_experts``,
 ``grad_scale``, and DTensor weights multiplied through their local shards.
 """
 
