@@ -1,5 +1,5 @@
-"""On CUDA: decoder layers compiled around their MoE layers (``compile_blocks``, the path
-``ExpertParallelStrategy(compile_layers=True)`` takes) compute what the eager ones do.
+"""On CUDA: decoder layers compiled around their MoE layers, and the loss (``compile_for_training``,
+the path ``ExpertParallelStrategy(compile_layers=True)`` takes) compute what the eager ones do.
 
 The CPU twin is ``tests/unit/test_compile.py``. On CUDA inductor emits Triton kernels whose fp32
 reductions are ordered differently from ATen's, so losses and gradients agree to float rounding
@@ -15,7 +15,7 @@ import torch
 from conftest import rel_err
 
 import lightning_ep
-from lightning_ep.parallel.compile import compile_blocks
+from lightning_ep.parallel.compile import compile_for_training, compile_loss
 from lightning_ep.parallel.fsdp import decoder_blocks
 
 pytestmark = [
@@ -37,7 +37,8 @@ def test_compiled_layers_match_eager_on_cuda() -> None:
     moe = lightning_ep.MoEConfig(moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
     eager = lightning_ep.transform(MixtralForCausalLM(config).float(), moe).cuda().train()
     compiled = copy.deepcopy(eager)
-    assert compile_blocks(decoder_blocks(compiled)) == 2
+    assert compile_for_training(compiled, decoder_blocks(compiled)) == 2
+    assert not compile_loss(compiled), "compile_for_training compiles the loss too"
     ids = torch.randint(0, 256, (4, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     for step in range(2):
         losses = []
