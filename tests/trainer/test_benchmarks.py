@@ -1,0 +1,83 @@
+"""The benchmark scripts still run: each one on CPU at the ``tiny`` shape, in real processes
+(``torchrun`` with 2 gloo ranks where the script is distributed), recording its table.
+
+Nothing is timed here (the numbers of a CPU run mean nothing); what is checked is that every row
+ran and that the recorded section carries the command and the table. A change to the layer's
+internals that a script mirrors (``bench_layer`` steps through ``MoELayer.forward``) fails here,
+not on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+pytestmark = pytest.mark.distributed
+
+
+def _run(script: str, args: list[str], tmp_path: Path, nproc: int) -> str:
+    results = tmp_path / "results.md"
+    if nproc > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}"]
+    else:
+        launch = [sys.executable]
+    cmd = [*launch, str(BENCHMARKS / script), *args, "--record", "--results", str(results)]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    text = results.read_text()
+    assert f"benchmarks/{script}" in text and "|---|" in text  # the command, and a table
+    return text
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def test_bench_layer_runs_every_phase(tmp_path: Path) -> None:
+    text = _run(
+        "bench_layer.py",
+        ["--shapes", "tiny", "tiny-shared", "--iters", "2", "--warmup", "1", "--variants", "fast", "grouped-experts"],
+        tmp_path,
+        nproc=2,
+    )
+    rows = _table_rows(text)
+    # (tiny, tiny-shared) x (local; a2a, allgather) x 2 variants
+    assert len(rows) == 2 * 3 * 2, text
+    assert {row[2] for row in rows} == {"local", "a2a", "allgather"}
+
+
+def test_bench_step_runs_the_baseline_and_this_library(tmp_path: Path) -> None:
+    rows = ["grouped_mm", "ep:a2a", "ep:allgather+zero2", "ep:a2a@grouped-experts", "ep:a2a@root-head"]
+    text = _run(
+        "bench_step.py",
+        ["--shape", "tiny", "--precision", "32-true", "--steps", "2", "--warmup", "1", "--rows", *rows],
+        tmp_path,
+        nproc=2,
+    )
+    table = _table_rows(text)
+    assert len(table) == len(rows), text
+    assert all(row[-1] == "ok" for row in table), text
+
+
+def test_bench_experts_runs(tmp_path: Path) -> None:
+    text = _run(
+        "bench_experts.py",
+        ["--sizes", "tiny", "--experts", "4", "--rows", "16", "64", "--iters", "2", "--warmup", "1"],
+        tmp_path,
+        nproc=1,
+    )
+    rows = _table_rows(text)
+    assert len(rows) == 2 and all(row[-1] == "grouped" for row in rows), text  # off CUDA: always grouped
