@@ -14,10 +14,13 @@ run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@"
 
 run layer 200 $T benchmarks/bench_layer.py --shapes coarse fine shared --warmup 3 --iters 10 --record --results "$R"
 for shape in coarse fine; do
-  run "step_${shape}" 200 $T $S --shape $shape --profile \
-    --rows grouped_mm ep:a2a ep:a2a@reference ep:allgather ep:a2a+zero2 eager
+  run "step_${shape}" 360 $T $S --shape $shape --profile \
+    --rows grouped_mm grouped_mm+compile ep:a2a ep:a2a+compile ep:a2a@reference ep:allgather+compile eager
   run extra 150 $T $S --shape $shape --rows hf_ep
-  run extra 100 env CUDA_VISIBLE_DEVICES=0 python3 $S --shape $shape --rows ep:a2a grouped_mm
+  run extra 100 env CUDA_VISIBLE_DEVICES=0 python3 $S --shape $shape --rows ep:a2a+compile grouped_mm
 done
+run experts 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_experts.py --experts 4 --rows 512 4096 \
+  --record --results "$R"
 grep -hE "^(coarse|fine|shared) " "$L/layer.log"
 grep -hE "^\| \(|^\| row" "$L"/step_*.log "$L"/extra.log
+grep -hE "^\| " "$L/experts.log"
