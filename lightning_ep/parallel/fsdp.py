@@ -105,7 +105,10 @@ def output_head(model: nn.Module) -> nn.Module | None:
     if not isinstance(head, nn.Module) or isinstance(head, FSDPModule):
         return None
     get_input = getattr(model, "get_input_embeddings", None)
-    embedding = get_input() if callable(get_input) else None
+    try:
+        embedding = get_input() if callable(get_input) else None
+    except NotImplementedError:  # Hugging Face's default when it cannot find one: ties unknown
+        return None
     head_weights = {id(p) for p in head.parameters()}
     if embedding is not None and any(id(p) in head_weights for p in embedding.parameters()):
         return None  # tied: one parameter cannot sit in two FSDP2 units
