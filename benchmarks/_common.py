@@ -376,6 +376,13 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def report(title: str, table: str, notes: str, record: bool, results: str | None) -> None:
+    """Print ``table`` (rank 0) and, with ``record``, append it to ``results`` (default RESULTS.md)."""
+    log("\n" + table)
+    if record:
+        write_results(title, table, notes, Path(results) if results else None)
+
+
 def write_results(title: str, table: str, notes: str = "", path: Path | None = None) -> None:
     """Append one dated section (hardware, versions, the exact command, the table) to RESULTS.md."""
     if rank() != 0:

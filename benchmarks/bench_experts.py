@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import dense_gemm_tflops, log, markdown_table, time_ms, write_results
+from _common import dense_gemm_tflops, log, markdown_table, report, time_ms
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts
@@ -76,17 +75,14 @@ def main() -> None:
         log(rows[-1])
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    table = markdown_table(rows)
-    log("\n" + table)
-    if args.record:
-        notes = (
-            f"bf16 on CUDA (fp32 on the CPU), `grad_scale` 0.5, random counts around the mean, median of "
-            f"{args.iters} after {args.warmup} warm-ups; dense bf16 GEMM {dense:.0f} TFLOP/s. `None picks`: the "
-            "path of `use_grouped_mm=None` with host counts (`GroupedExperts.per_expert_min_gflop`; always grouped "
-            "off CUDA)."
-        )
-        path = Path(args.results) if args.results else None
-        write_results("bench_experts: routed experts, grouped GEMM vs per expert", table, notes, path)
+    notes = (
+        f"bf16 on CUDA (fp32 on the CPU), `grad_scale` 0.5, random counts around the mean, median of "
+        f"{args.iters} after {args.warmup} warm-ups; dense bf16 GEMM {dense:.0f} TFLOP/s. `None picks`: the "
+        "path of `use_grouped_mm=None` with host counts (`GroupedExperts.per_expert_min_gflop`; always grouped "
+        "off CUDA)."
+    )
+    title = "bench_experts: routed experts, grouped GEMM vs per expert"
+    report(title, markdown_table(rows), notes, args.record, args.results)
 
 
 if __name__ == "__main__":

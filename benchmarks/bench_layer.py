@@ -31,7 +31,6 @@ import contextlib
 import itertools
 import statistics
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,10 +49,10 @@ from _common import (
     log,
     markdown_table,
     rank,
+    report,
     stamp,
     variant,
     world,
-    write_results,
 )
 from torch import nn
 
@@ -375,21 +374,17 @@ def main() -> None:
                 if cuda:
                     torch.cuda.empty_cache()
 
-    table = markdown_table(rows)
-    log("\n" + table)
-    if args.record:
-        notes = (
-            f"Tokens per GPU {args.tokens}, balancing {args.balancing!r}, bf16 weights and activations, "
-            f"median of {args.iters} after {args.warmup} warm-ups; dense bf16 GEMM {dense:.0f} TFLOP/s. "
-            "Phases are forward + backward; `marked ms` is the run that carries the phase marks. "
-            "Floor = expert GEMMs at the grouped-GEMM rate measured now on the layer's own row counts "
-            "(+ a shared expert's GEMMs at the dense rate) + 4 all-to-alls of the dispatched rows measured now "
-            "(no overlap: a layer that overlaps its shared expert with the exchange can beat it). "
-            "`syncs`: device-to-host synchronisations in one forward + backward."
-        )
-        path = Path(args.results) if args.results else None
-        title = f"bench_layer: one MoE layer, forward + backward ({world()} process(es))"
-        write_results(title, table, notes, path)
+    notes = (
+        f"Tokens per GPU {args.tokens}, balancing {args.balancing!r}, bf16 weights and activations, "
+        f"median of {args.iters} after {args.warmup} warm-ups; dense bf16 GEMM {dense:.0f} TFLOP/s. "
+        "Phases are forward + backward; `marked ms` is the run that carries the phase marks. "
+        "Floor = expert GEMMs at the grouped-GEMM rate measured now on the layer's own row counts "
+        "(+ a shared expert's GEMMs at the dense rate) + 4 all-to-alls of the dispatched rows measured now "
+        "(no overlap: a layer that overlaps its shared expert with the exchange can beat it). "
+        "`syncs`: device-to-host synchronisations in one forward + backward."
+    )
+    title = f"bench_layer: one MoE layer, forward + backward ({world()} process(es))"
+    report(title, markdown_table(rows), notes, args.record, args.results)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -56,9 +56,9 @@ from _common import (
     markdown_table,
     model_flops_per_token,
     rank,
+    report,
     variant,
     world,
-    write_results,
 )
 
 
@@ -491,18 +491,15 @@ def main() -> None:
     text = markdown_table(table)
     if profiles:
         text += "\nOne profiled step (rank 0), GPU kernel milliseconds by class:\n\n" + markdown_table(profiles)
-    log("\n" + text)
-    if args.record:
-        notes = (
-            f"Shape {args.shape} ({shape}), seq {args.seq}, {args.batch} sequences per GPU per step, "
-            f"precision {args.precision}, balancing {args.balancing!r}, AdamW ({args.optimizer}; hf_ep: foreach=False) "
-            f"lr {args.lr}; "
-            f"{args.steps} timed steps after {args.warmup} warm-ups. Dense bf16 GEMM in this process: "
-            f"{dense:.0f} TFLOP/s. Model FLOPs per token: {flops_per_token / 1e9:.2f} G "
-            "(6 x active parameters + causal attention, see `_common.model_flops_per_token`)."
-        )
-        path = Path(args.results) if args.results else None
-        write_results(f"bench_step: {args.shape}, {world()} GPU(s)", text, notes, path)
+    notes = (
+        f"Shape {args.shape} ({shape}), seq {args.seq}, {args.batch} sequences per GPU per step, "
+        f"precision {args.precision}, balancing {args.balancing!r}, AdamW ({args.optimizer}; hf_ep: foreach=False) "
+        f"lr {args.lr}; "
+        f"{args.steps} timed steps after {args.warmup} warm-ups. Dense bf16 GEMM in this process: "
+        f"{dense:.0f} TFLOP/s. Model FLOPs per token: {flops_per_token / 1e9:.2f} G "
+        "(6 x active parameters + causal attention, see `_common.model_flops_per_token`)."
+    )
+    report(f"bench_step: {args.shape}, {world()} GPU(s)", text, notes, args.record, args.results)
     if dist.is_initialized():
         dist.destroy_process_group()
 
