@@ -38,6 +38,7 @@ VARIANTS = (
     "grouped-experts",
     "root-head",
     "eager-loss",
+    "dedup",
     "reference",
     "serial-shared",
 )
@@ -68,9 +69,9 @@ SHAPES = {
     # Qwen1.5-MoE-A2.7B-like: 64 routed experts (60 there) of width 1408, top-4, and a gated
     # shared expert of width 5632 (bench_layer only).
     "shared": Shape("shared", 2048, 1408, 64, 4, 16, 16, 128, layers=4, shared_inter=5632),
-    # CPU smoke tests only.
+    # CPU smoke tests only (tiny-shared routes top-4 of 8: the dedup variant has copies to save).
     "tiny": Shape("tiny", 64, 32, 8, 2, 4, 2, 16, layers=2, vocab=128),
-    "tiny-shared": Shape("tiny-shared", 64, 32, 8, 2, 4, 2, 16, layers=2, vocab=128, shared_inter=48),
+    "tiny-shared": Shape("tiny-shared", 64, 32, 8, 4, 4, 2, 16, layers=2, vocab=128, shared_inter=48),
 }
 
 
@@ -163,6 +164,8 @@ def variant(name: str) -> Iterator[None]:
     - ``root-head``: the output projection stays in the root's FSDP2 unit (``shard_model``), not
       in one of its own;
     - ``eager-loss``: ``compile_layers`` / ``+compile`` leave the loss function eager;
+    - ``dedup``: nothing patched here; ``bench_layer`` sets the all-to-all dispatcher's ``dedup``
+      (``MoEConfig.token_dedup``; ``bench_step`` has the row option ``+dedup`` for it);
     - ``reference``: all of the above (the code before these changes);
     - ``serial-shared``: nothing patched here; ``bench_layer`` sets the layer's
       ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it).

@@ -126,7 +126,7 @@ def marked_collectives(timeline: Timeline) -> Iterator[None]:
         return lambda x, *args: fn(mark(x, timeline, side(), "all-to-all"), *args)
 
     def wrap_finish(fn: Any) -> Any:
-        return lambda pending, flight: mark(fn(pending, flight), timeline, "all-to-all", side())
+        return lambda pending, *args: mark(fn(pending, *args), timeline, "all-to-all", side())
 
     wrappers = {
         "all_to_all": wrap,
@@ -134,6 +134,8 @@ def marked_collectives(timeline: Timeline) -> Iterator[None]:
         "reduce_scatter_rows": wrap,
         "start_all_to_all": wrap_start,
         "finish_all_to_all": wrap_finish,
+        "send_tokens": wrap_start,
+        "receive_tokens": wrap_finish,
     }
     saved = [(name, getattr(dispatch_ep, name)) for name in wrappers]
     for name, fn in saved:
@@ -346,6 +348,8 @@ def main() -> None:
                     if name == "serial-shared" and not shape.shared_inter:
                         continue
                     layer.overlap_shared = name != "serial-shared"
+                    if hasattr(layer.dispatcher, "dedup"):  # the all-to-all dispatcher
+                        layer.dispatcher.dedup = name == "dedup"  # type: ignore[attr-defined]
                     with variant(name):
                         result = measure(layer, shape, args.tokens, device, dtype, args)
                     row = {

@@ -24,7 +24,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   gathered parameters from forward to backward (``reshard_after_forward=False``), ``+monitor`` adds
   ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); options combine
   (``ep:a2a+compile+zero2``); ``+manualgc`` turns Python's garbage collector off during the fit and
-  collects the young generations every 5 steps instead; ``@reference``
+  collects the young generations every 5 steps instead; ``+dedup`` sends each token once per rank
+  (``MoEConfig(token_dedup=True)``, all-to-all rows only); ``@reference``
   (or another of ``_common.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
@@ -312,7 +313,11 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
     if base.startswith("ep:"):
         from lightning_ep import ExpertParallelStrategy, MoEConfig
 
-        moe = MoEConfig(moe_load_balancing=args.balancing, moe_all_to_all_dispatcher=base == "ep:a2a")  # type: ignore[arg-type]
+        moe = MoEConfig(
+            moe_load_balancing=args.balancing,  # type: ignore[arg-type]
+            moe_all_to_all_dispatcher=base == "ep:a2a",
+            token_dedup="dedup" in options,
+        )
         checkpointing: bool | str = "keep_all_to_all" if "ac_keep" in options else "ac" in options
         strategy: Any = ExpertParallelStrategy(
             degree=world(),

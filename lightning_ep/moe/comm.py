@@ -41,6 +41,7 @@ class InFlight:
         self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
         self.work: Any = None
         self.buffers: tuple[torch.Tensor, ...] = ()  # kept alive until the exchange is waited for
+        self.received: torch.Tensor | None = None  # what the forward exchange brought, if its user keeps it
 
     def launch(
         self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], replay: torch.Tensor | None = None

@@ -32,12 +32,14 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict
     return loss.detach(), calls
 
 
-def run_keep_all_to_all(rank: int, world: int, shuffle: bool, device: str = "cpu", model_type: str = "mixtral") -> None:
+def run_keep_all_to_all(
+    rank: int, world: int, shuffle: bool, device: str = "cpu", model_type: str = "mixtral", dedup: bool = False
+) -> None:
     """Degree 2, every decoder layer checkpointed: keeping the exchanges gives bitwise the loss and
     gradients of recomputing them (on CUDA within 1e-5: attention's backward need not be
     deterministic), and the recomputation issues no forward exchange (only the backward's two per
     layer); every kept exchange is consumed. With the token shuffle, its own exchanges are still
-    recomputed."""
+    recomputed. ``dedup``: the deduplicated dispatch (one more exchange forward: the positions)."""
     if device == "cuda":
         device = f"cuda:{rank}"
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -47,7 +49,7 @@ def run_keep_all_to_all(rank: int, world: int, shuffle: bool, device: str = "cpu
         from families_workers import tiny_family
 
         base = tiny_family(model_type).to(device)
-    config = MoEConfig(moe_load_balancing="aux_loss", global_token_shuffle=shuffle)
+    config = MoEConfig(moe_load_balancing="aux_loss", global_token_shuffle=shuffle, token_dedup=dedup)
     results = []
     for keep in (False, True):
         model = copy.deepcopy(base)
@@ -63,10 +65,11 @@ def run_keep_all_to_all(rank: int, world: int, shuffle: bool, device: str = "cpu
             loss, calls = _step(model, micro_batch(step, rank).to(device))
             n = len(layers)
             shuffles = 2 * n if shuffle else 0  # shuffle + unshuffle, recomputed either way
-            # Forward: counts, rows, combine per layer. Backward: the reverse of rows and combine,
-            # plus, without keeping, the recomputation's counts, rows and combine.
-            assert calls["forward"] == 3 * n + shuffles, (keep, calls)
-            assert calls["backward"] == (2 if keep else 5) * n + 2 * shuffles, (keep, calls)
+            # Forward: counts, (positions,) rows, combine per layer. Backward: the reverse of rows
+            # and combine, plus, without keeping, the recomputation's forward exchanges.
+            forward = 4 if dedup else 3
+            assert calls["forward"] == forward * n + shuffles, (keep, calls)
+            assert calls["backward"] == (2 if keep else 2 + forward) * n + 2 * shuffles, (keep, calls)
             assert all(not layer._kept for layer in layers), "a kept exchange was never replayed"
         grads = {name: full(p.grad) for name, p in model.named_parameters()}
         results.append((loss, grads))

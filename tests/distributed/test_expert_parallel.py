@@ -32,6 +32,11 @@ WORLD2 = {
         Case(degree=2, skew=True, per_expert=True),
         Case(degree=2, capacity=0.5, per_expert=True),
         Case(degree=2, tied=True),
+        Case(degree=2, dedup=True),
+        Case(degree=2, top_k=4, dedup=True),
+        Case(degree=2, dedup=True, skew=True, per_expert=True),
+        Case(degree=2, dedup=True, shuffle=True),
+        Case(degree=2, dedup=True, mode="aux_loss"),
     ],
     "all_gather": [
         Case(degree=1, all_to_all=False),
@@ -57,6 +62,9 @@ WORLD4 = {
         Case(degree=4, budget=1000, skew=True),
         Case(degree=4, budget=1000, skew=True, per_expert=True),
         Case(degree=2, replicate=2, capacity=1.0, policy="position"),
+        Case(degree=4, top_k=4, dedup=True),
+        Case(degree=4, dedup=True, budget=1000, skew=True),
+        Case(degree=2, replicate=2, dedup=True, mode="sinkhorn"),
     ],
     "all_gather": [
         Case(degree=2, all_to_all=False),

@@ -17,6 +17,10 @@ def test_keep_all_to_all_replays_the_exchanges(shuffle: bool) -> None:
     spawn(run_keep_all_to_all, 2, shuffle)
 
 
+def test_keep_all_to_all_replays_deduplicated_exchanges() -> None:
+    spawn(run_keep_all_to_all, 2, False, "cpu", "mixtral", True)
+
+
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3"])
 def test_keep_all_to_all_with_shared_experts(model_type: str) -> None:
     spawn(run_keep_all_to_all, 2, False, "cpu", model_type)

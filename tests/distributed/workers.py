@@ -73,6 +73,8 @@ class Case:
     budget: int | None = None
     per_expert: bool = False  # the experts run one GEMM per expert on the dispatcher's host counts
     tied: bool = False  # lm_head shares the input embedding's weight
+    dedup: bool = False  # MoEConfig.token_dedup
+    top_k: int = 2
 
     def config(self) -> MoEConfig:
         return MoEConfig(
@@ -84,6 +86,7 @@ class Case:
             capacity_factor=self.capacity,
             drop_policy=self.policy,  # type: ignore[arg-type]
             max_tokens_per_rank=self.budget,
+            token_dedup=self.dedup,
         )
 
 
@@ -110,7 +113,8 @@ def _check_host_counts(_experts: torch.nn.Module, args: tuple) -> None:
 def run_case(rank: int, world: int, case: Case) -> None:
     """Two AdamW steps under transform + shard_model vs the reference, asserting equality."""
     device = torch.device(case.device, rank) if case.device == "cuda" else torch.device("cpu")
-    base = tiny_mixtral(tie_word_embeddings=case.tied).to(device=device, dtype=getattr(torch, case.dtype))
+    base = tiny_mixtral(tie_word_embeddings=case.tied, num_experts_per_tok=case.top_k)
+    base = base.to(device=device, dtype=getattr(torch, case.dtype))
     config = case.config()
     ref_config = replace(config, global_token_shuffle=False) if case.shuffle else config
     ref = lightning_ep.transform(copy.deepcopy(base), ref_config)
@@ -121,6 +125,8 @@ def run_case(rank: int, world: int, case: Case) -> None:
         for layer in lightning_ep.moe_layers(model):
             layer.experts.use_grouped_mm = False
             layer.experts.register_forward_pre_hook(_check_host_counts)
+    if case.all_to_all and case.capacity is None and case.degree > 1:
+        assert all(layer.dispatcher.dedup is case.dedup for layer in lightning_ep.moe_layers(model)), case
     lightning_ep.shard_model(model, mesh)
     # An untied lm_head is an FSDP2 unit of its own; a tied one stays in the root's.
     assert isinstance(model.lm_head, FSDPModule) is not case.tied

@@ -181,6 +181,25 @@ def test_fused_combine_equals_the_torch_fallback_on_cuda(dtype, T, K, H):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("J", "R", "H"), [(65536, 8192, 2048), (1000, 7, 4096), (33, 50, 200)])
+def test_segment_sum_kernel_equals_index_add_bitwise_on_cuda(dtype, J, R, H):
+    pytest.importorskip("triton", reason="Triton is not installed")
+    from lightning_ep.moe import dedup
+
+    assert dedup._triton() is not None
+    g = torch.Generator(device=CUDA).manual_seed(J)
+    src = torch.randn(J, H, generator=g, device=CUDA).to(dtype)
+    index = torch.randint(0, R, (J,), generator=g, device=CUDA)  # R=50 > J=33 leaves rows empty
+    for out_dtype in (torch.float32, dtype):
+        fused = dedup.segment_sum(src, index, R, out_dtype)
+        reference = torch.zeros(R, H, device=CUDA).index_put_((index,), src.float(), accumulate=True)
+        # The reference in the kernel's order: one row at a time, ascending j (index_put_ may reorder).
+        ordered = dedup.segment_sum(src.cpu(), index.cpu(), R, out_dtype)
+        assert torch.equal(fused.cpu(), ordered), out_dtype
+        assert rel_err(fused.float(), reference) < (1e-2 if out_dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("N", "I"), [(4096, 768), (1000, 14336), (33, 100)])
 def test_fused_swiglu_equals_torch_on_cuda(dtype, N, I):  # noqa: E741
     pytest.importorskip("triton", reason="Triton is not installed")
@@ -235,13 +254,16 @@ def one_rank_nccl_group():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dispatcher", ["all_to_all", "all_gather"])
+@pytest.mark.parametrize("dispatcher", ["all_to_all", "all_to_all_dedup", "all_gather"])
 def test_expert_parallel_layer_makes_at_most_one_host_sync(one_rank_nccl_group, dispatcher):
     from lightning_ep.moe.dispatch_ep import AllGatherDispatcher, AllToAllDispatcher
 
     layer = _layer()
-    cls = AllToAllDispatcher if dispatcher == "all_to_all" else AllGatherDispatcher
-    layer.dispatcher = cls(layer.num_experts, one_rank_nccl_group)
+    if dispatcher == "all_gather":
+        layer.dispatcher = AllGatherDispatcher(layer.num_experts, one_rank_nccl_group)
+    else:
+        dedup = dispatcher == "all_to_all_dedup"
+        layer.dispatcher = AllToAllDispatcher(layer.num_experts, one_rank_nccl_group, dedup=dedup)
     step = _fwd_bwd(layer)
     step()
     assert _count_syncs(step) == 1

@@ -46,21 +46,24 @@ def _table_rows(text: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
 
 
+VARIANTS = ["--variants", "fast", "grouped-experts", "dedup"]
+
+
 def test_bench_layer_runs_every_phase(tmp_path: Path) -> None:
     text = _run(
         "bench_layer.py",
-        ["--shapes", "tiny", "tiny-shared", "--iters", "2", "--warmup", "1", "--variants", "fast", "grouped-experts"],
+        ["--shapes", "tiny", "tiny-shared", "--iters", "2", "--warmup", "1", *VARIANTS],
         tmp_path,
         nproc=2,
     )
     rows = _table_rows(text)
-    # (tiny, tiny-shared) x (local; a2a, allgather) x 2 variants
-    assert len(rows) == 2 * 3 * 2, text
+    # (tiny, tiny-shared) x (local; a2a, allgather) x 3 variants
+    assert len(rows) == 2 * 3 * 3, text
     assert {row[2] for row in rows} == {"local", "a2a", "allgather"}
 
 
 def test_bench_step_runs_the_baseline_and_this_library(tmp_path: Path) -> None:
-    rows = ["grouped_mm", "ep:a2a", "ep:allgather+zero2", "ep:a2a@grouped-experts", "ep:a2a@root-head"]
+    rows = ["grouped_mm", "ep:a2a", "ep:allgather+zero2", "ep:a2a@grouped-experts", "ep:a2a@root-head", "ep:a2a+dedup"]
     text = _run(
         "bench_step.py",
         ["--shape", "tiny", "--precision", "32-true", "--steps", "2", "--warmup", "1", "--rows", *rows],

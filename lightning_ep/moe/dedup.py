@@ -1,0 +1,153 @@
+"""Token deduplication for the all-to-all dispatch: each token travels once per destination rank.
+
+Legend: T tokens on this rank, H hidden size, K experts per token, D ranks of the expert-parallel
+group, S token rows this rank sends (one per token and destination rank that holds at least one of
+its K experts, ``S <= D * T``), R token rows it receives, M rows for its local experts (``M >= R``).
+
+Without deduplication a token goes out once per chosen expert: ``T * K`` rows. When the K experts of
+a token sit on fewer ranks than K (many small experts per rank), most of those rows are copies. Here
+the token is sent once per rank, and the receiving rank copies it to each of its experts the token
+chose. The backward is the adjoint: the receiver sums the gradients of a token's copies, the sender
+sums what comes back from each rank. Both sums run in fp32 and round once, as the plain dispatch's
+sum over the K copies does, so only the order of fp32 additions differs; the gradient travels back
+in fp32, ``2x`` the bytes of the forward's rows.
+
+    pending, flight = send_tokens(x_TH, token_S, out_splits, in_splits, group)
+    x_MH = receive_tokens(pending, flight, gather_M)     # waits for the rows, copies them
+
+``segment_sum`` is the deterministic fp32 scatter-sum both backwards use: a Triton kernel on CUDA,
+``index_add_`` in fp32 elsewhere (the reference the kernel is tested against, bitwise).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_ep.moe.comm import InFlight
+
+_BLOCK_H = 1024
+
+
+@functools.cache
+def _triton() -> Any:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    return _build_kernel(triton, tl)
+
+
+def segment_sum(src_JH: torch.Tensor, index_J: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """``out[r] = sum(src_JH[j] for j in ascending order if index_J[j] == r)``, ``[num_rows, H]``.
+
+    Accumulates in fp32 (fp64 for fp64 input) starting from zero and rounds once to ``dtype``; rows no ``j`` points at
+    are zero. The Triton kernel (CUDA) adds in the same order as the fp32 ``index_add_`` reference,
+    so both give the same bits, and neither uses atomics.
+    """
+    hidden = src_JH.shape[1]
+    acc_dtype = wire_dtype(src_JH.dtype)
+    kernel = _triton() if src_JH.is_cuda and acc_dtype == torch.float32 else None
+    if kernel is None:
+        acc = torch.zeros((num_rows, hidden), dtype=acc_dtype, device=src_JH.device)
+        return acc.index_add_(0, index_J, src_JH.to(acc_dtype)).to(dtype)
+    sorted_J, order_J = torch.sort(index_J, stable=True)
+    bounds = torch.arange(num_rows + 1, device=index_J.device, dtype=index_J.dtype)
+    offsets = torch.searchsorted(sorted_J, bounds)
+    out = torch.empty((num_rows, hidden), dtype=dtype, device=src_JH.device)
+    if num_rows and hidden:
+        grid = (num_rows, -(-hidden // _BLOCK_H))
+        kernel[grid](src_JH.contiguous(), order_J, offsets, out, H=hidden, BLOCK_H=_BLOCK_H)
+    return out
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial gradient sums are added and sent in: at least fp32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def send_tokens(
+    x_TH: torch.Tensor,
+    token_S: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+    replay: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, InFlight]:
+    """Launch the exchange of rows ``x_TH[token_S]`` (``in_splits[j]`` to rank ``j``, ``out_splits[j]``
+    from it) without waiting. Returns a placeholder for ``receive_tokens`` and the handle.
+
+    Backward: waits for the fp32 gradient rows ``receive_tokens``'s backward sent back and sums
+    them per token. ``replay``: the rows this exchange received before (activation-checkpointing
+    recomputation), returned without communicating.
+    """
+    flight = InFlight(out_splits, in_splits, group)
+    return _Send.apply(x_TH, token_S, flight, replay), flight
+
+
+def receive_tokens(pending: torch.Tensor, flight: InFlight, gather_M: torch.Tensor) -> torch.Tensor:
+    """Wait for the rows ``send_tokens`` launched and copy them to the local experts:
+    ``x_MH[m] = received_RH[gather_M[m]]``. ``flight.received`` keeps ``received_RH``.
+
+    Backward: sums the gradient of each received row's copies in fp32 and sends it back.
+    """
+    return _Receive.apply(pending, flight, gather_M)
+
+
+class _Send(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x_TH: torch.Tensor, token_S: torch.Tensor, flight: InFlight, replay: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(token_S)
+        ctx.flight, ctx.rows, ctx.dtype = flight, x_TH.shape[0], x_TH.dtype
+        rows_SH = x_TH if replay is not None else x_TH.index_select(0, token_S)
+        flight.launch(rows_SH, flight.out_splits, flight.in_splits, replay)
+        return x_TH.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[Any, ...]:
+        (token_S,) = ctx.saved_tensors
+        grad_SH = ctx.flight.wait()  # in wire_dtype, see _Receive.backward
+        return segment_sum(grad_SH, token_S, ctx.rows, ctx.dtype), None, None, None
+
+
+class _Receive(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, pending: torch.Tensor, flight: InFlight, gather_M: torch.Tensor) -> torch.Tensor:
+        received_RH = flight.wait()
+        flight.received = received_RH
+        ctx.save_for_backward(gather_M)
+        ctx.flight, ctx.rows = flight, received_RH.shape[0]
+        return received_RH.index_select(0, gather_M)
+
+    @staticmethod
+    def backward(ctx: Any, grad_MH: torch.Tensor) -> tuple[Any, ...]:
+        (gather_M,) = ctx.saved_tensors
+        flight = ctx.flight
+        grad_RH = segment_sum(grad_MH, gather_M, ctx.rows, wire_dtype(grad_MH.dtype))
+        flight.launch(grad_RH, flight.in_splits, flight.out_splits)
+        # The placeholder's gradient only passes control to _Send.backward, which waits for the exchange.
+        return grad_MH.new_empty(0), None, None
+
+
+def _build_kernel(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def segment_sum_kernel(src_ptr, order_ptr, offsets_ptr, out_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+        # One program per (output row, block of H): out[r] = sum_j src[order[j]], j in [off[r], off[r+1]).
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        start = tl.load(offsets_ptr + r)
+        end = tl.load(offsets_ptr + r + 1)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in range(start, end):
+            row = tl.load(order_ptr + j).to(tl.int64)
+            acc += tl.load(src_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return segment_sum_kernel

@@ -1,0 +1,38 @@
+"""Token deduplication's pieces on one process: the deterministic segment sum and
+``MoEConfig.token_dedup``'s checks. The exchange itself is tested on gloo processes
+(``tests/distributed``: ``Case(dedup=...)`` and ``test_keep_all_to_all``) and under NCCL (``tests/gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ep import MoEConfig
+from lightning_ep.moe.dedup import segment_sum, wire_dtype
+
+
+def test_segment_sum_adds_rows_in_order_in_fp32_and_rounds_once():
+    src = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]], dtype=torch.bfloat16)
+    out = segment_sum(src, torch.tensor([2, 0, 2, 2]), 4, torch.bfloat16)
+    expected = torch.tensor([[3.0, 4.0], [0.0, 0.0], [13.0, 16.0], [0.0, 0.0]], dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    # 256 + 1 + 1: bf16 pairwise adds would lose both ones (256 + 1 rounds to 256); fp32 keeps them.
+    big = torch.tensor([[256.0], [1.0], [1.0]], dtype=torch.bfloat16)
+    assert segment_sum(big, torch.tensor([0, 0, 0]), 1, torch.float32).item() == 258.0
+
+
+def test_segment_sum_keeps_fp64_precision():
+    src = torch.tensor([[1.0], [1e-12]], dtype=torch.float64)
+    assert segment_sum(src, torch.tensor([0, 0]), 1, torch.float64).item() == 1.0 + 1e-12
+    assert wire_dtype(torch.bfloat16) == torch.float32 and wire_dtype(torch.float64) == torch.float64
+
+
+def test_token_dedup_is_checked():
+    assert MoEConfig().token_dedup is False
+    with pytest.raises(TypeError, match=r"MoEConfig.token_dedup must be a bool, got 1 \(int\)"):
+        MoEConfig(token_dedup=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"token_dedup=True deduplicates the dropless all-to-all dispatch"):
+        MoEConfig(token_dedup=True, capacity_factor=1.0)
+    with pytest.raises(ValueError, match=r"moe_all_to_all_dispatcher=False"):
+        MoEConfig(token_dedup=True, moe_all_to_all_dispatcher=False)
+    MoEConfig(token_dedup=False, capacity_factor=1.0)  # off is always allowed
