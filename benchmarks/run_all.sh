@@ -19,8 +19,11 @@ for shape in coarse fine; do
   run extra 150 $T $S --shape $shape --rows hf_ep
   run extra 100 env CUDA_VISIBLE_DEVICES=0 python3 $S --shape $shape --rows ep:a2a+compile grouped_mm
 done
+for shape in coarse fine; do  # 4 sequences per GPU: the GPU-bound steps
+  run "step4_${shape}" 300 $T $S --shape $shape --batch 4 --rows grouped_mm grouped_mm+compile ep:a2a+compile ep:a2a+compile+dedup
+done
 run experts 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_experts.py --experts 4 --rows 512 4096 \
   --record --results "$R"
 grep -hE "^(coarse|fine|shared) " "$L/layer.log"
-grep -hE "^\| \(|^\| row" "$L"/step_*.log "$L"/extra.log
+grep -hE "^\| \(|^\| row" "$L"/step_*.log "$L"/step4_*.log "$L"/extra.log
 grep -hE "^\| " "$L/experts.log"

@@ -61,9 +61,9 @@ class MoEConfig:
             dispatch's gradient comes back summed per rank, in fp32 (``lightning_ep.moe.dedup``).
             Same math, fewer bytes and HBM passes when a token's K experts share ranks (many small
             experts, small degree), more when they do not (the fp32 gradient is twice the bytes).
-            Off by default: on 2 x H200 at Qwen3-30B-like shapes it cut the step's GPU kernel time
-            by 6% but left tokens/s unchanged, the step being bound by the host's launches
-            (``benchmarks/RESULTS.md``).
+            Measured on 2 x H200 at Qwen3-30B-like shapes (degree 2, ``benchmarks/RESULTS.md``): 5%
+            less GPU time per step, +2-4% tokens/s at 16,384 tokens per GPU, -1-5% at 8,192 where the
+            step is bound by the host launching kernels (dedup launches more). Hence off by default.
     """
 
     smp_moe: bool = True
