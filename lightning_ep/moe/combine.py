@@ -17,22 +17,13 @@ Two implementations with one contract (``weighted_combine``):
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
+from lightning_ep.moe.lazy_triton import lazy_kernels
+
 _BLOCK_H = 1024
-
-
-@functools.cache
-def _triton() -> Any:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    return _build_kernels(triton, tl)
 
 
 def fused_combine_available(y_NH: torch.Tensor) -> bool:
@@ -145,3 +136,6 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         backward = combine_backward
 
     return Kernels
+
+
+_triton = lazy_kernels(_build_kernels)

@@ -21,25 +21,15 @@ in fp32, ``2x`` the bytes of the forward's rows.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_ep.moe.comm import InFlight
+from lightning_ep.moe.lazy_triton import lazy_kernels
 
 _BLOCK_H = 1024
-
-
-@functools.cache
-def _triton() -> Any:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    return _build_kernel(triton, tl)
 
 
 def segment_sum(src_JH: torch.Tensor, index_J: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -151,3 +141,6 @@ def _build_kernel(triton: Any, tl: Any) -> Any:
         tl.store(out_ptr + r * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     return segment_sum_kernel
+
+
+_triton = lazy_kernels(_build_kernel)

@@ -14,7 +14,6 @@ Two implementations with one contract (``swiglu``):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,17 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_ep.moe.lazy_triton import lazy_kernels
+
 _BLOCK = 1024
-
-
-@functools.cache
-def _triton() -> Any:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    return _build_kernels(triton, tl)
 
 
 def is_silu(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
@@ -109,3 +100,6 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         backward = swiglu_backward
 
     return Kernels
+
+
+_triton = lazy_kernels(_build_kernels)
