@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from families_workers import FAMILY_NAMES, run_families
+from families_workers import FAMILY_NAMES, run_families, run_families_dedup
 from harness import spawn
 
 pytestmark = pytest.mark.distributed
@@ -20,3 +20,7 @@ pytestmark = pytest.mark.distributed
 
 def test_families_at_degree_2(tmp_path: Path) -> None:
     spawn(run_families, 2, list(FAMILY_NAMES), str(tmp_path))
+
+
+def test_families_with_token_dedup() -> None:
+    spawn(run_families_dedup, 2, list(FAMILY_NAMES))
