@@ -63,6 +63,7 @@ WORLD4 = {
         Case(degree=4, budget=1000, skew=True, per_expert=True),
         Case(degree=2, replicate=2, capacity=1.0, policy="position"),
         Case(degree=4, top_k=4, dedup=True),
+        Case(degree=2, top_k=4, dedup=True),
         Case(degree=4, dedup=True, budget=1000, skew=True),
         Case(degree=2, replicate=2, dedup=True, mode="sinkhorn"),
     ],
