@@ -35,9 +35,9 @@ _BLOCK_H = 1024
 def segment_sum(src_JH: torch.Tensor, index_J: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
     """``out[r] = sum(src_JH[j] for j in ascending order if index_J[j] == r)``, ``[num_rows, H]``.
 
-    Accumulates in fp32 (fp64 for fp64 input) starting from zero and rounds once to ``dtype``; rows no ``j`` points at
-    are zero. The Triton kernel (CUDA) adds in the same order as the fp32 ``index_add_`` reference,
-    so both give the same bits, and neither uses atomics.
+    Accumulates in fp32 (fp64 for fp64 input) starting from zero and rounds once to ``dtype``; rows
+    that no ``j`` points at are zero. The Triton kernel (CUDA) adds in the same order as the fp32
+    ``index_add_`` reference, so both give the same bits, and neither uses atomics.
     """
     hidden = src_JH.shape[1]
     acc_dtype = wire_dtype(src_JH.dtype)
