@@ -207,7 +207,8 @@ class KeptExchange:
     """What one all-to-all dispatch and its combine keep so that an activation-checkpointing
     recomputation of the layer skips the count exchange, the host sync and both token exchanges:
     the plan (sort order, split sizes, regrouping) and the rows each exchange received, ``M x H``
-    and ``N x H`` elements held from the forward until the recomputation."""
+    (``R x H`` deduplicated: the received tokens) and ``N x H`` elements held from the forward until
+    the recomputation."""
 
     def __init__(self) -> None:
         self.plan: dict | None = None
