@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe import GroupedExperts, combine, dispatch, dispatch_ep, swiglu
+from lightning_ep.moe import GroupedExperts, combine, dispatch, dispatch_ep, experts, swiglu
 from lightning_ep.parallel import compile as compiling
 from lightning_ep.parallel import fsdp
 
@@ -39,6 +39,10 @@ VARIANTS = (
     "root-head",
     "eager-loss",
     "dedup",
+    "wide-sort-keys",
+    "unfused-copy-sum",
+    "unfolded-scale",
+    "session5",
     "reference",
     "serial-shared",
 )
@@ -150,6 +154,10 @@ def _bmm_unsort(
     return torch.bmm(weights_TK.to(y_TKH.dtype).unsqueeze(1), y_TKH).squeeze(1)
 
 
+def _sum_copies_by_gather(x_NH: torch.Tensor, inverse_N: torch.Tensor, top_k: int) -> torch.Tensor:
+    return x_NH.index_select(0, inverse_N).view(-1, top_k, x_NH.shape[1]).sum(dim=1)
+
+
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
     """Swap replaced implementations back in for the duration (benchmark only):
@@ -166,6 +174,12 @@ def variant(name: str) -> Iterator[None]:
     - ``eager-loss``: ``compile_layers`` / ``+compile`` leave the loss function eager;
     - ``dedup``: nothing patched here; ``bench_layer`` sets the all-to-all dispatcher's ``dedup``
       (``MoEConfig.token_dedup``; ``bench_step`` has the row option ``+dedup`` for it);
+    - ``wide-sort-keys``: expert ids sorted as int64 keys (8 radix passes on CUDA), not narrowed;
+    - ``unfused-copy-sum``: the dispatch's backward sums a token's K gradient copies by a gather
+      into ``[T, K, H]`` and a sum, not the one-pass kernel (``combine.sum_copies``);
+    - ``unfolded-scale``: the grouped experts under plain autograd, the gradient scale applied by
+      two passes over ``[N, H]`` gradients (``with_grad_scale``), not folded (``grouped_mlp``);
+    - ``session5``: the last three together (the hot path as Session 5 left it);
     - ``reference``: all of the above (the code before these changes);
     - ``serial-shared``: nothing patched here; ``bench_layer`` sets the layer's
       ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it).
@@ -189,7 +203,13 @@ def variant(name: str) -> Iterator[None]:
         patches |= {"output_head": lambda model: None}
     if name in ("eager-loss", "reference"):
         patches |= {"compile_loss": lambda model, **kwargs: False}
-    modules = (combine, dispatch, dispatch_ep, swiglu, GroupedExperts, fsdp, compiling)
+    if name in ("wide-sort-keys", "session5", "reference"):
+        patches |= {"narrow_keys": lambda keys, bound: keys}
+    if name in ("unfused-copy-sum", "session5", "reference"):
+        patches |= {"sum_copies": _sum_copies_by_gather}
+    if name in ("unfolded-scale", "session5", "reference"):
+        patches |= {"fold_grad_scale": lambda *args: False}
+    modules = (combine, dispatch, dispatch_ep, experts, swiglu, GroupedExperts, fsdp, compiling)
     saved = [(m, k, getattr(m, k)) for m in modules for k in patches if k in vars(m)]
     for module, key, _ in saved:
         setattr(module, key, patches[key])

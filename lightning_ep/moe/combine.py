@@ -44,6 +44,23 @@ def weighted_combine(
     return _TorchCombine.apply(y_NH, weights_TK, inverse_N, order_N)
 
 
+def sum_copies(x_NH: torch.Tensor, inverse_N: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``out_TH[t] = sum_k x_NH[inverse_N[t * K + k]]``: the K copies of each token summed, in fp32
+    (fp64 for fp64), rounded once to the dtype of ``x_NH``. The adjoint of copying each token to
+    its K sorted rows; the combine's kernel with unit weights on CUDA (one pass, no ``[T, K, H]``
+    intermediate), a gather and a sum elsewhere."""
+    num_tokens = inverse_N.numel() // top_k
+    if not fused_combine_available(x_NH) or x_NH.dtype == torch.float64:
+        return x_NH.index_select(0, inverse_N).view(num_tokens, top_k, -1).sum(dim=1)
+    x_NH, inverse_N = x_NH.contiguous(), inverse_N.contiguous()
+    hidden = x_NH.shape[1]
+    out_TH = x_NH.new_empty((num_tokens, hidden))
+    if num_tokens and hidden:
+        grid = (num_tokens, -(-hidden // _BLOCK_H))
+        _triton().forward[grid](x_NH, inverse_N, x_NH, out_TH, H=hidden, K=top_k, BLOCK_H=_BLOCK_H, WEIGHTED=False)
+    return out_TH
+
+
 class _TorchCombine(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -77,7 +94,9 @@ class _FusedCombine(torch.autograd.Function):
         out_TH = y_NH.new_empty((num_tokens, hidden))
         if num_tokens:
             grid = (num_tokens, -(-hidden // _BLOCK_H))
-            kernels.forward[grid](y_NH, inverse_N, weights_TK, out_TH, H=hidden, K=top_k, BLOCK_H=_BLOCK_H)
+            kernels.forward[grid](
+                y_NH, inverse_N, weights_TK, out_TH, H=hidden, K=top_k, BLOCK_H=_BLOCK_H, WEIGHTED=True
+            )
         ctx.save_for_backward(y_NH, weights_TK, inverse_N)
         return out_TH
 
@@ -99,17 +118,22 @@ class _FusedCombine(torch.autograd.Function):
 
 def _build_kernels(triton: Any, tl: Any) -> Any:
     @triton.jit
-    def combine_forward(y_ptr, inv_ptr, w_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr):
-        # One program per (token, block of H): out[t, h] = sum_k w[t, k] * y[inv[t*K + k], h].
+    def combine_forward(
+        y_ptr, inv_ptr, w_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr
+    ):
+        # One program per (token, block of H): out[t, h] = sum_k w[t, k] * y[inv[t*K + k], h]
+        # (w = 1 and w_ptr unread unless WEIGHTED).
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = offs < H
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for k in tl.static_range(K):
             row = tl.load(inv_ptr + t * K + k).to(tl.int64)
-            w = tl.load(w_ptr + t * K + k).to(tl.float32)
             y = tl.load(y_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32)
-            acc += w * y
+            if WEIGHTED:
+                acc += tl.load(w_ptr + t * K + k).to(tl.float32) * y
+            else:
+                acc += y
         tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ep.moe.comm import InFlight
+from lightning_ep.moe.dispatch import narrow_keys
 from lightning_ep.moe.lazy_triton import lazy_kernels
 
 _BLOCK_H = 1024
@@ -45,8 +46,8 @@ def segment_sum(src_JH: torch.Tensor, index_J: torch.Tensor, num_rows: int, dtyp
     if kernel is None:
         acc = torch.zeros((num_rows, hidden), dtype=acc_dtype, device=src_JH.device)
         return acc.index_add_(0, index_J, src_JH.to(acc_dtype)).to(dtype)
-    sorted_J, order_J = torch.sort(index_J, stable=True)
-    bounds = torch.arange(num_rows + 1, device=index_J.device, dtype=index_J.dtype)
+    sorted_J, order_J = torch.sort(narrow_keys(index_J, num_rows), stable=True)
+    bounds = torch.arange(num_rows + 1, device=index_J.device, dtype=sorted_J.dtype)
     offsets = torch.searchsorted(sorted_J, bounds)
     out = torch.empty((num_rows, hidden), dtype=dtype, device=src_JH.device)
     if num_rows and hidden:

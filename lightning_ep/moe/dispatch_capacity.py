@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from lightning_ep.moe.comm import all_to_all, finish_all_to_all, start_all_to_all
 from lightning_ep.moe.config import DropPolicy
-from lightning_ep.moe.dispatch import Dispatched
+from lightning_ep.moe.dispatch import Dispatched, narrow_keys
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -51,7 +51,7 @@ def keep_slots(
     else:
         priority = torch.arange(n, device=flat_N.device)
     # Stable sort by expert of the priority-ordered pairs: within each expert, best first.
-    by_expert = priority[torch.argsort(flat_N[priority], stable=True)]
+    by_expert = priority[torch.argsort(narrow_keys(flat_N[priority], num_experts), stable=True)]
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_N.device)
     counts_E.scatter_add_(0, flat_N, torch.ones_like(flat_N))
     starts_E = torch.cumsum(counts_E, 0) - counts_E

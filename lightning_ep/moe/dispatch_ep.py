@@ -20,6 +20,7 @@ from lightning_ep.moe.dispatch import (
     expert_counts,
     gather_rows,
     inverse_permutation,
+    narrow_keys,
     permute_rows,
     sort_by_expert,
     weighted_unsort,
@@ -142,7 +143,7 @@ class AllToAllDispatcher:
         segment_M = torch.repeat_interleave(
             torch.arange(D * L, device=recv_DL.device), recv_DL.reshape(-1), output_size=sum(recv_splits)
         )
-        regroup_M = torch.argsort(segment_M % L, stable=True)
+        regroup_M = torch.argsort(narrow_keys(segment_M % L, L), stable=True)
         plan = {
             "order_N": order_N,
             "inverse_N": inverse_N,
@@ -256,7 +257,7 @@ class AllGatherDispatcher:
             # Local experts get keys 0..L-1, every other expert the key L (sorted last, dropped).
             local_GK = ids_all_GK - self.rank * L
             key_N = torch.where((local_GK >= 0) & (local_GK < L), local_GK, L).reshape(-1)
-            sorted_key_N, order_N = torch.sort(key_N, stable=True)
+            sorted_key_N, order_N = torch.sort(narrow_keys(key_N, L + 1), stable=True)
             counts_L = expert_counts(sorted_key_N, L + 1)[:L]
             counts_host = counts_L.tolist()  # the one host sync
             order_M = order_N[: sum(counts_host)]

@@ -15,17 +15,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from lightning_ep.moe.grouped_mlp import GROUPED_MM, grouped_mlp
 from lightning_ep.moe.swiglu import swiglu
 
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
-
-GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -75,6 +73,13 @@ def with_grad_scale(
             y.register_hook(lambda grad: grad * scale)
         return y
     return fn(x_NH, *(scale_grad(w, scale) for w in weights))
+
+
+def fold_grad_scale(x_NH: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``GroupedExperts`` runs its grouped GEMMs as one autograd function with the gradient
+    scale folded in (``grouped_mlp``): one dtype for rows and weights, and no autocast (whose casts
+    that function's backward would not replay)."""
+    return all(w.dtype == x_NH.dtype for w in weights) and not torch.is_autocast_enabled(x_NH.device.type)
 
 
 def compute_weights(weights: Sequence[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
@@ -152,16 +157,16 @@ class RoutedExperts(nn.Module):
         loop: Callable[..., torch.Tensor],
         counts_host: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """``grouped(x_NH, counts_L, *weights)`` or ``loop(x_NH, counts, weights, grad_scale)`` on
-        the local shards of ``params`` (cast to ``compute_dtype``), with every weight's gradient
-        multiplied by ``grad_scale`` (``loop`` applies it itself). ``gemm_weights``: the positions
+        """``grouped(x_NH, counts_L, weights, grad_scale)`` or ``loop(x_NH, counts, weights, grad_scale)``
+        on the local shards of ``params`` (cast to ``compute_dtype``); both multiply every weight's
+        gradient by ``grad_scale`` (``with_grad_scale`` does it for any function). ``gemm_weights``: the positions
         in ``params`` of the two matrices the GEMMs multiply by. ``counts_host``: ``counts_L`` as
         host integers when the caller already has them; otherwise the loop reads them (one sync)."""
         weights = compute_weights(params, self.compute_dtype)
         i, j = gemm_weights
         grouped_ok = use_grouped(x_NH, counts_L, weights[i], weights[j], self.use_grouped_mm)
         if grouped_ok and not self.prefers_per_expert(x_NH, counts_host, weights[i]):
-            return with_grad_scale(lambda x, *w: grouped(x, counts_L, *w), x_NH, weights, self.grad_scale)
+            return grouped(x_NH, counts_L, weights, self.grad_scale)
         counts = list(counts_host) if counts_host is not None else counts_L.tolist()
         if len(counts) != weights[i].shape[0] or sum(counts) != x_NH.shape[0]:
             raise RuntimeError(
@@ -199,6 +204,11 @@ class GroupedExperts(RoutedExperts):
     ``compute_dtype``, when set, is the dtype the weights are cast to for the matmuls (their
     gradients flow back in the parameters' dtype). ``shard_model`` sets it to FSDP2's
     ``param_dtype`` when it leaves the experts out of FSDP2 (no expert-data-parallel ranks).
+
+    The grouped path runs as one autograd function (``lightning_ep.moe.grouped_mlp``) that folds
+    ``grad_scale`` into its SwiGLU backward and recomputes the SwiGLU output there instead of
+    keeping it; under autocast, or with rows and weights in different dtypes, it runs under plain
+    autograd with ``with_grad_scale``.
 
     The per-expert path (``use_grouped_mm=False``, or ``None`` on CUDA with host counts and an
     average expert's first GEMM of at least ``per_expert_min_gflop``) runs one cuBLAS GEMM per
@@ -257,7 +267,7 @@ class GroupedExperts(RoutedExperts):
             counts_L,
             [self.gate_up_proj, self.down_proj],
             (0, 1),
-            lambda x, counts, w1, w2: _grouped_forward(x, counts, w1, w2, act_fn),
+            lambda x, counts, weights, scale: _grouped_forward(x, counts, weights[0], weights[1], act_fn, scale),
             lambda x, counts, weights, scale: _per_expert_forward(x, counts, weights[0], weights[1], act_fn, scale),
             counts_host,
         )
@@ -269,12 +279,19 @@ def _grouped_forward(
     w1_LFH: torch.Tensor,
     w2_LHI: torch.Tensor,
     act_fn: Callable[[torch.Tensor], torch.Tensor],
+    grad_scale: float,
 ) -> torch.Tensor:
     assert GROUPED_MM is not None
     offsets_L = torch.cumsum(counts_L.to(device=x_NH.device), dim=0).to(torch.int32)
-    h_NF = GROUPED_MM(x_NH, w1_LFH.transpose(-2, -1), offs=offsets_L)
-    a_NI = swiglu(h_NF, act_fn)  # a fused kernel for SiLU on CUDA
-    return GROUPED_MM(a_NI, w2_LHI.transpose(-2, -1), offs=offsets_L)
+    if fold_grad_scale(x_NH, w1_LFH, w2_LHI):
+        return grouped_mlp(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn, grad_scale)
+
+    def mlp(x_NH: torch.Tensor, w1_LFH: torch.Tensor, w2_LHI: torch.Tensor) -> torch.Tensor:
+        h_NF = GROUPED_MM(x_NH, w1_LFH.transpose(-2, -1), offs=offsets_L)
+        a_NI = swiglu(h_NF, act_fn)  # a fused kernel for SiLU on CUDA
+        return GROUPED_MM(a_NI, w2_LHI.transpose(-2, -1), offs=offsets_L)
+
+    return with_grad_scale(mlp, x_NH, [w1_LFH, w2_LHI], grad_scale)
 
 
 def _per_expert_forward(

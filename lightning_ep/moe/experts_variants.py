@@ -99,7 +99,12 @@ class InterleavedGLUExperts(RoutedExperts):
             ``[N, H]`` expert outputs, in the order of ``x_NH``.
         """
         params = [self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias]
-        return self.run(x_NH, counts_L, params, (0, 2), self._grouped_forward, self._loop_forward, counts_host)
+        return self.run(x_NH, counts_L, params, (0, 2), self._grouped_scaled, self._loop_forward, counts_host)
+
+    def _grouped_scaled(
+        self, x_NH: torch.Tensor, counts_L: torch.Tensor, weights: list[torch.Tensor], grad_scale: float
+    ) -> torch.Tensor:
+        return with_grad_scale(lambda x, *w: self._grouped_forward(x, counts_L, *w), x_NH, weights, grad_scale)
 
     def _grouped_forward(
         self,

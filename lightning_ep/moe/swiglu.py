@@ -45,6 +45,41 @@ def swiglu(h_NF: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -
     return act_fn(gate_NI) * up_NI
 
 
+def swiglu_backward(
+    h_NF: torch.Tensor, grad_NI: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor], scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of ``a = swiglu(h)`` for a caller that multiplies weight gradients by ``scale``.
+
+    Returns ``grad_h`` (``[N, F]``), ``scale * grad_h`` and ``scale * a`` (``[N, I]``, ``a``
+    recomputed from ``h``), each computed in fp32 (the kernel) and rounded once; with ``scale == 1``
+    the second and third are ``grad_h`` and ``a``. The fused kernel for SiLU on CUDA, ``act_fn``
+    under autograd on a copy of ``h`` elsewhere.
+    """
+    if is_silu(act_fn) and fused_swiglu_available(h_NF):
+        kernels = _triton()
+        h_NF, grad_NI = h_NF.contiguous(), grad_NI.contiguous()
+        rows, width = h_NF.shape[0], h_NF.shape[1] // 2
+        grad_NF = torch.empty_like(h_NF)
+        scaled = scale != 1.0
+        scaled_NF = torch.empty_like(h_NF) if scaled else grad_NF
+        a_NI = h_NF.new_empty((rows, width))
+        if rows:
+            grid = (rows, -(-width // _BLOCK))
+            kernels.backward[grid](
+                h_NF, grad_NI, grad_NF, scaled_NF, a_NI, scale, I=width, BLOCK=_BLOCK, WRITE_A=True, SCALED=scaled
+            )
+        return grad_NF, scaled_NF, a_NI
+    with torch.enable_grad():
+        h = h_NF.detach().requires_grad_(True)
+        gate_NI, up_NI = h.chunk(2, dim=-1)
+        a_NI = act_fn(gate_NI) * up_NI
+        (grad_NF,) = torch.autograd.grad(a_NI, h, grad_NI)
+    a_NI = a_NI.detach()
+    if scale == 1.0:
+        return grad_NF, grad_NF, a_NI
+    return grad_NF, grad_NF * scale, a_NI * scale
+
+
 class _FusedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h_NF: torch.Tensor) -> torch.Tensor:
@@ -65,7 +100,9 @@ class _FusedSwiGLU(torch.autograd.Function):
         grad_NI = grad_NI.contiguous()
         grad_NF = torch.empty_like(h_NF)
         if rows:
-            kernels.backward[(rows, -(-width // _BLOCK))](h_NF, grad_NI, grad_NF, I=width, BLOCK=_BLOCK)
+            kernels.backward[(rows, -(-width // _BLOCK))](
+                h_NF, grad_NI, grad_NF, grad_NF, h_NF, 1.0, I=width, BLOCK=_BLOCK, WRITE_A=False, SCALED=False
+            )
         return (grad_NF,)
 
 
@@ -81,8 +118,20 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         tl.store(a_ptr + n * I + offs, (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def swiglu_backward(h_ptr, g_ptr, gh_ptr, I: tl.constexpr, BLOCK: tl.constexpr):  # noqa: E741
-        # d/d gate = g * up * sig * (1 + gate * (1 - sig)); d/d up = g * silu(gate).
+    def swiglu_backward(
+        h_ptr,
+        g_ptr,
+        gh_ptr,
+        sgh_ptr,
+        sa_ptr,
+        scale,
+        I: tl.constexpr,  # noqa: E741
+        BLOCK: tl.constexpr,
+        WRITE_A: tl.constexpr,
+        SCALED: tl.constexpr,
+    ):
+        # d/d gate = g * up * sig * (1 + gate * (1 - sig)); d/d up = g * silu(gate). With SCALED also
+        # scale * grad_h (sgh); with WRITE_A also (scale *) a, computed as the forward computes it.
         n = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < I
@@ -94,6 +143,14 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         grad_up = g * gate * sig
         tl.store(gh_ptr + n * (2 * I) + offs, grad_gate.to(gh_ptr.dtype.element_ty), mask=mask)
         tl.store(gh_ptr + n * (2 * I) + I + offs, grad_up.to(gh_ptr.dtype.element_ty), mask=mask)
+        if SCALED:
+            tl.store(sgh_ptr + n * (2 * I) + offs, (grad_gate * scale).to(sgh_ptr.dtype.element_ty), mask=mask)
+            tl.store(sgh_ptr + n * (2 * I) + I + offs, (grad_up * scale).to(sgh_ptr.dtype.element_ty), mask=mask)
+        if WRITE_A:
+            a = gate / (1.0 + tl.exp(-gate)) * up
+            if SCALED:
+                a = a * scale
+            tl.store(sa_ptr + n * I + offs, a.to(sa_ptr.dtype.element_ty), mask=mask)
 
     class Kernels:
         forward = swiglu_forward

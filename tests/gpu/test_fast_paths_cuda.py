@@ -77,13 +77,14 @@ def _count_once(fn) -> int:
 # ---------------------------------------------------------------- equality with the references
 
 
-def test_counts_and_order_equal_bincount_and_argsort_on_cuda():
-    ids = _ids(4096, 8, 128, seed=1)
-    order, counts = sort_by_expert(ids, 128)
+@pytest.mark.parametrize("num_experts", [128, 256, 40000])  # sort keys narrowed to uint8, int16, int32
+def test_counts_and_order_equal_bincount_and_argsort_on_cuda(num_experts):
+    ids = _ids(4096, 8, num_experts, seed=1)
+    order, counts = sort_by_expert(ids, num_experts)
     flat = ids.reshape(-1)
     assert torch.equal(order, torch.argsort(flat, stable=True))
-    assert torch.equal(counts, torch.bincount(flat, minlength=128))
-    assert torch.equal(count_ids(ids, 128), torch.bincount(flat, minlength=128))
+    assert torch.equal(counts, torch.bincount(flat, minlength=num_experts))
+    assert torch.equal(count_ids(ids, num_experts), torch.bincount(flat, minlength=num_experts))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=CUDA)
     assert torch.equal(inverse_permutation(order), inverse)
@@ -220,6 +221,70 @@ def test_fused_swiglu_equals_torch_on_cuda(dtype, N, I):  # noqa: E741
     assert not a_f.isnan().any() and not g_f.isnan().any()
     assert rel_err(a_f, a_t) < tol
     assert rel_err(g_f, g_t) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("T", "K", "H"), [(4096, 8, 2048), (2048, 2, 4096), (33, 3, 200)])
+def test_sum_copies_kernel_equals_the_ordered_fp32_sum_bitwise_on_cuda(dtype, T, K, H):
+    pytest.importorskip("triton", reason="Triton is not installed")
+    from lightning_ep.moe import combine
+
+    ids = _ids(T, K, 16, seed=T)
+    order, _ = sort_by_expert(ids, 16)
+    inverse = inverse_permutation(order)
+    x = torch.randn(T * K, H, generator=torch.Generator(device=CUDA).manual_seed(8), device=CUDA).to(dtype)
+    fused = combine.sum_copies(x, inverse, K)
+    copies = x.index_select(0, inverse).view(T, K, H).float()
+    ordered = torch.zeros(T, H, device=CUDA)
+    for k in range(K):  # the kernel's order: k ascending, in fp32, one rounding
+        ordered += copies[:, k]
+    assert fused.dtype == dtype and torch.equal(fused, ordered.to(dtype))
+    assert rel_err(fused.float(), copies.double().sum(1)) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+@pytest.mark.parametrize(("N", "I"), [(4096, 768), (33, 100)])
+def test_swiglu_backward_kernel_writes_scaled_copies_bitwise_on_cuda(scale, N, I):  # noqa: E741
+    pytest.importorskip("triton", reason="Triton is not installed")
+    from lightning_ep.moe import swiglu
+
+    g = torch.Generator(device=CUDA).manual_seed(9)
+    h = (torch.randn(N, 2 * I, generator=g, device=CUDA) * 3).bfloat16()
+    up = torch.randn(N, I, generator=g, device=CUDA).bfloat16()
+    hr = h.clone().requires_grad_(True)
+    a = swiglu._FusedSwiGLU.apply(hr)
+    a.backward(up)
+    grad_h, scaled_grad_h, scaled_a = swiglu.swiglu_backward(h, up, F.silu, scale)
+    assert torch.equal(grad_h, hr.grad)  # the same gradient as the autograd kernel
+    assert torch.equal(scaled_a, a.detach() * scale)  # a recomputed exactly as the forward computes it
+    assert torch.equal(scaled_grad_h, hr.grad * scale)
+    assert (scaled_grad_h is grad_h) == (scale == 1.0)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_grouped_mlp_equals_autograd_of_its_gemms_on_cuda(monkeypatch, scale):
+    from lightning_ep.moe import experts as experts_module
+
+    L, H, I, N = 16, 512, 256, 4096  # noqa: E741
+    g = torch.Generator(device=CUDA).manual_seed(10)
+    w1 = (torch.randn(L, 2 * I, H, generator=g, device=CUDA) * 0.05).bfloat16()
+    w2 = (torch.randn(L, H, I, generator=g, device=CUDA) * 0.05).bfloat16()
+    x = torch.randn(N, H, generator=g, device=CUDA).bfloat16()
+    up = torch.randn(N, H, generator=g, device=CUDA).bfloat16()
+    counts = torch.full((L,), N // L, device=CUDA)
+    counts[3], counts[4] = 0, 2 * (N // L)  # one idle expert
+    results = []
+    for fold in (True, False):
+        monkeypatch.setattr(experts_module, "fold_grad_scale", lambda *args, fold=fold: fold)
+        experts = GroupedExperts(nn.Parameter(w1.clone()), nn.Parameter(w2.clone()), F.silu, use_grouped_mm=True)
+        experts.grad_scale = scale
+        xr = x.clone().requires_grad_(True)
+        out = experts(xr, counts)
+        out.backward(up)
+        results.append((out, xr.grad, experts.gate_up_proj.grad, experts.down_proj.grad))
+    for got, want in zip(*results, strict=True):
+        assert not got.isnan().any() and rel_err(got, want) < 1e-6
+    assert results[0][2][3].abs().max() == 0 and results[0][3][3].abs().max() == 0
 
 
 # ---------------------------------------------------------------- host syncs

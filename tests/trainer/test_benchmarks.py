@@ -46,7 +46,7 @@ def _table_rows(text: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
 
 
-VARIANTS = ["--variants", "fast", "grouped-experts", "dedup"]
+VARIANTS = ["--variants", "fast", "grouped-experts", "dedup", "session5"]
 
 
 def test_bench_layer_runs_every_phase(tmp_path: Path) -> None:
@@ -57,8 +57,8 @@ def test_bench_layer_runs_every_phase(tmp_path: Path) -> None:
         nproc=2,
     )
     rows = _table_rows(text)
-    # (tiny, tiny-shared) x (local; a2a, allgather) x 3 variants
-    assert len(rows) == 2 * 3 * 3, text
+    # (tiny, tiny-shared) x (local; a2a, allgather) x 4 variants
+    assert len(rows) == 2 * 3 * 4, text
     assert {row[2] for row in rows} == {"local", "a2a", "allgather"}
 
 

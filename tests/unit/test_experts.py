@@ -165,14 +165,14 @@ def test_grad_scale_scales_weight_gradients_only(grouped, scale, rows):
     out_s, gx_s, g1_s, g2_s = _run(scaled, x, counts, upstream)
     assert torch.equal(out_s, out)
     assert torch.equal(gx_s, gx)  # the activations' gradient is not scaled
-    if grouped is False and scale != 0.25:
-        # The per-expert GEMMs scale the weight gradient inside the GEMM (``alpha``), whose
-        # kernel may sum in another order than the unscaled one: fp32 rounding apart.
+    if scale != 0.25:
+        # Not a power of two: the per-expert GEMMs scale the weight gradient inside the GEMM
+        # (``alpha``), the grouped path (``grouped_mlp``) scales ``grad_h`` and ``a`` before the
+        # weight-gradient GEMMs: fp32 rounding apart from scaling the unscaled gradients.
         for got, want in ((g1_s, g1 * scale), (g2_s, g2 * scale)):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
     else:
-        # Bitwise: a power-of-two factor commutes with rounding, and otherwise the weights'
-        # gradients are multiplied once, exactly as the reference here.
+        # Bitwise: a power-of-two factor commutes with rounding.
         assert torch.equal(g1_s, g1 * scale) and torch.equal(g2_s, g2 * scale)
 
 
@@ -311,3 +311,86 @@ def test_host_counts_keep_the_grouped_gemm_off_cuda():
     experts.per_expert_min_gflop = 0.0  # whatever the size
     assert not experts.prefers_per_expert(x, counts, experts.gate_up_proj)
     assert torch.equal(experts(x, torch.tensor(counts), counts), experts(x, torch.tensor(counts)))
+
+
+# ---------------------------------------------------------------- the grouped MLP with the scale folded in
+
+
+def _grouped_run(monkeypatch, fold, w1, w2, x, counts, upstream, *, scale=1.0, act_fn=F.silu, frozen=()):
+    """``GroupedExperts`` on the grouped GEMM, with ``grouped_mlp`` (``fold``) or plain autograd."""
+    from lightning_ep.moe import experts as experts_module
+
+    monkeypatch.setattr(experts_module, "fold_grad_scale", lambda *args: fold)
+    experts = GroupedExperts(nn.Parameter(w1.clone()), nn.Parameter(w2.clone()), act_fn, use_grouped_mm=True)
+    experts.grad_scale = scale
+    for name in frozen:
+        getattr(experts, name).requires_grad_(False)
+    xr = x.clone().requires_grad_(True)
+    out = experts(xr, torch.tensor(counts))
+    out.backward(upstream)
+    return [out, xr.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+
+
+@pytest.mark.parametrize("act_fn", [F.silu, F.gelu])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 0.3])
+def test_grouped_mlp_equals_autograd_of_its_gemms(monkeypatch, act_fn, scale):
+    w1, w2 = _weights()
+    x = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(3))
+    upstream = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(4))
+    got = _grouped_run(monkeypatch, True, w1, w2, x, COUNTS, upstream, scale=scale, act_fn=act_fn)
+    want = _grouped_run(monkeypatch, False, w1, w2, x, COUNTS, upstream, scale=scale, act_fn=act_fn)
+    for name, g, w in zip(("out", "x", "gate_up_proj", "down_proj"), got, want, strict=True):
+        if scale == 0.3 and name in ("gate_up_proj", "down_proj"):
+            # Scaled before the one rounding of grad_h and a, not after the GEMM: fp32 rounding apart.
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6 * w.abs().max().item())
+        else:
+            assert torch.equal(g, w), name  # a power of two commutes with rounding
+    for grad in got[2:]:
+        assert torch.equal(grad[IDLE], torch.zeros_like(grad[IDLE]))  # idle experts: zero, not missing
+
+
+@pytest.mark.parametrize("frozen", [("gate_up_proj",), ("down_proj",), ("gate_up_proj", "down_proj")])
+def test_grouped_mlp_with_frozen_weights(monkeypatch, frozen):
+    w1, w2 = _weights()
+    x = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(3))
+    upstream = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(4))
+    got = _grouped_run(monkeypatch, True, w1, w2, x, COUNTS, upstream, scale=0.5, frozen=frozen)
+    want = _grouped_run(monkeypatch, False, w1, w2, x, COUNTS, upstream, scale=0.5, frozen=frozen)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None) and (g is None or torch.equal(g, w))
+
+
+def test_grouped_mlp_keeps_h_and_not_a(monkeypatch):
+    """The forward saves x, h and the weights, not the SwiGLU output a (N x I elements fewer)."""
+    w1, w2 = _weights()
+    x = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(3))
+    saved = {}
+    for fold in (True, False):
+        from lightning_ep.moe import experts as experts_module
+
+        monkeypatch.setattr(experts_module, "fold_grad_scale", lambda *args, fold=fold: fold)
+        experts = _experts(w1, w2, True)
+        experts.grad_scale = 0.5
+        numels: list[int] = []
+
+        def pack(t: torch.Tensor, numels: list[int] = numels) -> torch.Tensor:
+            numels.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            experts(x.clone().requires_grad_(True), torch.tensor(COUNTS))
+        saved[fold] = sum(n for n in numels if n > E)  # leave out the offsets
+    rows = sum(COUNTS)
+    assert saved[True] == rows * H + rows * 2 * I + w1.numel() + w2.numel()
+    # Autograd keeps a for the second GEMM, and here on the CPU (unfused SwiGLU) silu(gate) too.
+    assert saved[False] - saved[True] == 2 * rows * I
+
+
+def test_fold_grad_scale_needs_one_dtype_and_no_autocast():
+    from lightning_ep.moe.experts import fold_grad_scale
+
+    x, w = torch.zeros(2, 8), torch.zeros(1, 8, 8)
+    assert fold_grad_scale(x, w, w)
+    assert not fold_grad_scale(x, w.bfloat16(), w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fold_grad_scale(x, w, w)

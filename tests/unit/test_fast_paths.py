@@ -21,6 +21,7 @@ from lightning_ep.moe.dispatch import (
     expert_counts,
     gather_rows,
     inverse_permutation,
+    narrow_keys,
     permute_rows,
     sort_by_expert,
     weighted_unsort,
@@ -72,6 +73,21 @@ def test_sort_and_counts_equal_argsort_and_bincount(num_tokens, top_k, num_exper
     assert counts.dtype == torch.int64
     assert counts[-1] == (num_tokens if num_experts == 1 else 0)
     assert torch.equal(count_ids(ids, num_experts), ref_counts)
+
+
+@pytest.mark.parametrize(
+    ("bound", "dtype"), [(1, torch.uint8), (255, torch.uint8), (256, torch.int16), (40000, torch.int32)]
+)
+def test_narrowed_sort_keys_give_the_int64_order(bound, dtype):
+    # Many ties (a stable sort must keep them in place) and the bound itself among the keys.
+    keys = torch.randint(0, bound + 1, (5000,), generator=torch.Generator().manual_seed(bound))
+    keys[::7] = bound
+    narrow = narrow_keys(keys, bound)
+    assert narrow.dtype == dtype and torch.equal(narrow.long(), keys)
+    assert torch.equal(torch.sort(narrow, stable=True).indices, torch.sort(keys, stable=True).indices)
+    if bound < 1000:  # expert_counts on the narrowed sorted keys: searches for the bound too
+        counts = torch.bincount(keys, minlength=bound + 1)[:-1]
+        assert torch.equal(expert_counts(torch.sort(narrow).values, bound), counts)
 
 
 def test_expert_counts_with_a_trailing_overflow_key():

@@ -1,0 +1,86 @@
+"""The grouped-GEMM SwiGLU MLP of ``GroupedExperts`` as one autograd function, with the weights'
+gradient scale folded into its backward.
+
+Legend: N rows sorted by expert, H hidden size, I expert width, F = 2I, L local experts.
+
+    h = x @ w1[e].T;  a = act(h[:, :I]) * h[:, I:];  y = a @ w2[e].T     (the rows of expert e)
+
+Under expert parallelism the weights' gradients are multiplied by ``grad_scale`` (``1 / degree``,
+see ``GroupedExperts``). Under plain autograd that costs two passes over ``[N, H]`` gradients
+(``experts.with_grad_scale``). Here the SwiGLU backward writes ``grad_scale * grad_h`` and
+``grad_scale * a`` beside ``grad_h``, and the two weight-gradient GEMMs read those, while the
+input's gradient comes from the unscaled ``grad_h``. ``a`` is recomputed from ``h`` in that same
+pass rather than saved, so the forward keeps ``N x I`` fewer elements per layer.
+
+With a power-of-two scale the gradients are exactly those of the autograd path (a power of two
+commutes with rounding); with any other scale the scale is applied before the one rounding of
+``grad_h`` and ``a`` instead of after the GEMM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_ep.moe.swiglu import swiglu, swiglu_backward
+
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mlp(
+    x_NH: torch.Tensor,
+    offsets_L: torch.Tensor,
+    w1_LFH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    grad_scale: float,
+) -> torch.Tensor:
+    """``y_NH``, differentiable in ``x_NH``, ``w1_LFH`` and ``w2_LHI``; the weights' gradients come
+    out multiplied by ``grad_scale``, the input's does not.
+
+    Args:
+        x_NH: rows sorted by expert; the same dtype as the weights.
+        offsets_L: int32 inclusive prefix sums of the rows per expert (``grouped_mm``'s ``offs``).
+        w1_LFH: ``[L, 2I, H]``, gate rows then up rows.
+        w2_LHI: ``[L, H, I]``.
+        act_fn: the gate's activation (the fused kernel for SiLU on CUDA).
+        grad_scale: multiplies the weights' gradients.
+    """
+    return _GroupedMLP.apply(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn, grad_scale)
+
+
+class _GroupedMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x_NH: torch.Tensor,
+        offsets_L: torch.Tensor,
+        w1_LFH: torch.Tensor,
+        w2_LHI: torch.Tensor,
+        act_fn: Callable[[torch.Tensor], torch.Tensor],
+        grad_scale: float,
+    ) -> torch.Tensor:
+        assert GROUPED_MM is not None
+        h_NF = GROUPED_MM(x_NH, w1_LFH.transpose(-2, -1), offs=offsets_L)
+        a_NI = swiglu(h_NF, act_fn)
+        ctx.save_for_backward(x_NH, offsets_L, w1_LFH, w2_LHI, h_NF)
+        ctx.act_fn, ctx.grad_scale = act_fn, grad_scale
+        return GROUPED_MM(a_NI, w2_LHI.transpose(-2, -1), offs=offsets_L)
+
+    @staticmethod
+    def backward(ctx: Any, grad_NH: torch.Tensor) -> tuple[Any, ...]:
+        assert GROUPED_MM is not None
+        x_NH, offsets_L, w1_LFH, w2_LHI, h_NF = ctx.saved_tensors
+        need_x, _, need_w1, need_w2 = ctx.needs_input_grad[:4]
+        grad_NH = grad_NH.contiguous()
+        grad_NI = GROUPED_MM(grad_NH, w2_LHI, offs=offsets_L)
+        scale = ctx.grad_scale if need_w1 or need_w2 else 1.0
+        grad_NF, scaled_grad_NF, scaled_a_NI = swiglu_backward(h_NF, grad_NI, ctx.act_fn, scale)
+        # Weight gradients: the K dimension (rows) is grouped, one [F, H] / [H, I] block per expert.
+        grad_w1 = GROUPED_MM(scaled_grad_NF.t(), x_NH, offs=offsets_L) if need_w1 else None
+        grad_w2 = GROUPED_MM(grad_NH.t(), scaled_a_NI, offs=offsets_L) if need_w2 else None
+        grad_x = GROUPED_MM(grad_NF, w1_LFH, offs=offsets_L) if need_x else None
+        return grad_x, None, grad_w1, grad_w2, None, None
