@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ep.moe.grouped_mlp import GROUPED_MM, grouped_mlp
+from lightning_ep.moe.grouped_mlp import GROUPED_MM, grouped_mlp, grouped_mlp_forward
 from lightning_ep.moe.swiglu import swiglu
 
 try:
@@ -287,9 +287,7 @@ def _grouped_forward(
         return grouped_mlp(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn, grad_scale)
 
     def mlp(x_NH: torch.Tensor, w1_LFH: torch.Tensor, w2_LHI: torch.Tensor) -> torch.Tensor:
-        h_NF = GROUPED_MM(x_NH, w1_LFH.transpose(-2, -1), offs=offsets_L)
-        a_NI = swiglu(h_NF, act_fn)  # a fused kernel for SiLU on CUDA
-        return GROUPED_MM(a_NI, w2_LHI.transpose(-2, -1), offs=offsets_L)
+        return grouped_mlp_forward(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn)[1]
 
     return with_grad_scale(mlp, x_NH, [w1_LFH, w2_LHI], grad_scale)
 

@@ -52,6 +52,20 @@ def grouped_mlp(
     return _GroupedMLP.apply(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn, grad_scale)
 
 
+def grouped_mlp_forward(
+    x_NH: torch.Tensor,
+    offsets_L: torch.Tensor,
+    w1_LFH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h_NF, y_NH)``: the first GEMM's output and the MLP's, under whatever autograd mode is on."""
+    assert GROUPED_MM is not None
+    h_NF = GROUPED_MM(x_NH, w1_LFH.transpose(-2, -1), offs=offsets_L)
+    a_NI = swiglu(h_NF, act_fn)  # a fused kernel for SiLU on CUDA
+    return h_NF, GROUPED_MM(a_NI, w2_LHI.transpose(-2, -1), offs=offsets_L)
+
+
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -63,12 +77,10 @@ class _GroupedMLP(torch.autograd.Function):
         act_fn: Callable[[torch.Tensor], torch.Tensor],
         grad_scale: float,
     ) -> torch.Tensor:
-        assert GROUPED_MM is not None
-        h_NF = GROUPED_MM(x_NH, w1_LFH.transpose(-2, -1), offs=offsets_L)
-        a_NI = swiglu(h_NF, act_fn)
+        h_NF, y_NH = grouped_mlp_forward(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn)
         ctx.save_for_backward(x_NH, offsets_L, w1_LFH, w2_LHI, h_NF)
         ctx.act_fn, ctx.grad_scale = act_fn, grad_scale
-        return GROUPED_MM(a_NI, w2_LHI.transpose(-2, -1), offs=offsets_L)
+        return y_NH
 
     @staticmethod
     def backward(ctx: Any, grad_NH: torch.Tensor) -> tuple[Any, ...]:
