@@ -38,7 +38,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _common import (
     SHAPES,
-    VARIANTS,
     Shape,
     Timer,
     all_to_all_ms,
@@ -51,9 +50,9 @@ from _common import (
     rank,
     report,
     stamp,
-    variant,
     world,
 )
+from _variants import VARIANTS, variant
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter, dispatch_ep

@@ -26,7 +26,7 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   (``ep:a2a+compile+zero2``); ``+manualgc`` turns Python's garbage collector off during the fit and
   collects the young generations every 5 steps instead; ``+dedup`` sends each token once per rank
   (``MoEConfig(token_dedup=True)``, all-to-all rows only); ``@reference``
-  (or another of ``_common.VARIANTS``) runs it on the replaced hot-path code.
+  (or another of ``_variants.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
 ``W`` GPUs). Reported per GPU: tokens/s, model TFLOP/s (``_common.model_flops_per_token``),
@@ -58,9 +58,9 @@ from _common import (
     model_flops_per_token,
     rank,
     report,
-    variant,
     world,
 )
+from _variants import variant
 
 
 def hf_config(shape: Shape, seq: int) -> Any:

@@ -1,0 +1,125 @@
+"""Benchmark variants: run a row on the hot-path code that a change replaced, so that the change is
+measured against it in the same process (``bench_layer --variants``, ``bench_step --rows ep:a2a@VARIANT``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lightning_ep.moe import GroupedExperts, combine, dispatch, dispatch_ep, experts, swiglu
+from lightning_ep.parallel import compile as compiling
+from lightning_ep.parallel import fsdp
+
+VARIANTS = (
+    "fast",
+    "unfused-swiglu",
+    "unfused-combine",
+    "sync-counts",
+    "atomic-bwd",
+    "grouped-experts",
+    "root-head",
+    "eager-loss",
+    "dedup",
+    "wide-sort-keys",
+    "unfused-copy-sum",
+    "unfolded-scale",
+    "session5",
+    "reference",
+    "serial-shared",
+)
+
+
+def _bincount_sort(expert_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = expert_ids_TK.reshape(-1)
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
+
+
+def _bincount_ids(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    return torch.bincount(expert_ids.reshape(-1), minlength=num_experts)
+
+
+def _index_select_permute(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0, index)
+
+
+def _index_select_gather(
+    x_TH: torch.Tensor, order_N: torch.Tensor, top_k: int, inverse_N: torch.Tensor | None = None
+) -> torch.Tensor:
+    return x_TH.index_select(0, torch.div(order_N, top_k, rounding_mode="floor"))
+
+
+def _bmm_unsort(
+    y_NH: torch.Tensor, inverse_N: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor
+) -> torch.Tensor:
+    num_tokens, top_k = weights_TK.shape
+    y_TKH = y_NH.index_select(0, inverse_N).view(num_tokens, top_k, -1)
+    return torch.bmm(weights_TK.to(y_TKH.dtype).unsqueeze(1), y_TKH).squeeze(1)
+
+
+def _sum_copies_by_gather(x_NH: torch.Tensor, inverse_N: torch.Tensor, top_k: int) -> torch.Tensor:
+    return x_NH.index_select(0, inverse_N).view(-1, top_k, x_NH.shape[1]).sum(dim=1)
+
+
+@contextlib.contextmanager
+def variant(name: str) -> Iterator[None]:
+    """Swap replaced implementations back in for the duration (benchmark only):
+
+    - ``unfused-swiglu``: ``silu(gate) * up`` under autograd instead of the Triton kernel;
+    - ``unfused-combine``: the combine's torch fallback instead of the Triton kernel;
+    - ``sync-counts``: counts per expert by ``torch.bincount`` (reads the maximum back to the host);
+    - ``atomic-bwd``: permutations and the combine by ``index_select`` + ``bmm`` under plain
+      autograd (zero-fill + scatter-add backward, outer-product GEMM);
+    - ``grouped-experts``: the grouped GEMM even where the experts would pick one cuBLAS GEMM per
+      expert (``GroupedExperts.per_expert_min_gflop = None``);
+    - ``root-head``: the output projection stays in the root's FSDP2 unit (``shard_model``), not
+      in one of its own;
+    - ``eager-loss``: ``compile_layers`` / ``+compile`` leave the loss function eager;
+    - ``dedup``: nothing patched here; ``bench_layer`` sets the all-to-all dispatcher's ``dedup``
+      (``MoEConfig.token_dedup``; ``bench_step`` has the row option ``+dedup`` for it);
+    - ``wide-sort-keys``: expert ids sorted as int64 keys (8 radix passes on CUDA), not narrowed;
+    - ``unfused-copy-sum``: the dispatch's backward sums a token's K gradient copies by a gather
+      into ``[T, K, H]`` and a sum, not the one-pass kernel (``combine.sum_copies``);
+    - ``unfolded-scale``: the grouped experts under plain autograd, the gradient scale applied by
+      two passes over ``[N, H]`` gradients (``with_grad_scale``), not folded (``grouped_mlp``);
+    - ``session5``: the last three together (the hot path as Session 5 left it);
+    - ``reference``: all of the above (the code before these changes);
+    - ``serial-shared``: nothing patched here; ``bench_layer`` sets the layer's
+      ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it).
+    """
+    patches: dict[str, Any] = {}
+    if name in ("unfused-swiglu", "reference"):
+        patches |= {"fused_swiglu_available": lambda h: False}
+    if name in ("unfused-combine", "reference"):
+        patches |= {"fused_combine_available": lambda y: False}
+    if name in ("sync-counts", "reference"):
+        patches |= {"sort_by_expert": _bincount_sort, "count_ids": _bincount_ids}
+    if name in ("atomic-bwd", "reference"):
+        patches |= {
+            "permute_rows": _index_select_permute,
+            "gather_rows": _index_select_gather,
+            "weighted_unsort": _bmm_unsort,
+        }
+    if name in ("grouped-experts", "reference"):
+        patches |= {"per_expert_min_gflop": None}
+    if name in ("root-head", "reference"):
+        patches |= {"output_head": lambda model: None}
+    if name in ("eager-loss", "reference"):
+        patches |= {"compile_loss": lambda model, **kwargs: False}
+    if name in ("wide-sort-keys", "session5", "reference"):
+        patches |= {"narrow_keys": lambda keys, bound: keys}
+    if name in ("unfused-copy-sum", "session5", "reference"):
+        patches |= {"sum_copies": _sum_copies_by_gather}
+    if name in ("unfolded-scale", "session5", "reference"):
+        patches |= {"fold_grad_scale": lambda *args: False}
+    modules = (combine, dispatch, dispatch_ep, experts, swiglu, GroupedExperts, fsdp, compiling)
+    saved = [(m, k, getattr(m, k)) for m in modules for k in patches if k in vars(m)]
+    for module, key, _ in saved:
+        setattr(module, key, patches[key])
+    try:
+        yield
+    finally:
+        for module, key, value in saved:
+            setattr(module, key, value)
