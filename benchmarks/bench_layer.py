@@ -17,7 +17,9 @@ Variants (each toggles one change of the hot path, so its effect is measured in 
 reads the maximum id back to the host), ``atomic-bwd`` (permutations by ``index_select``, whose
 backward zero-fills and scatter-adds), ``reference`` (both), ``serial-shared`` (shapes with a
 shared expert: it runs after the dispatch exchange instead of during it). With a shared expert,
-``all-to-all`` is the exchange time left exposed after the shared expert's work.
+``all-to-all`` is the exchange time left exposed after the shared expert's work. Dispatcher
+``symm`` (``MoEConfig(symmetric_memory_dispatch=True)``) has no separate exchange: its pulls are
+timed in ``permutation`` (dispatch) and ``combine``.
 
 Run (two GPUs; degree 1 runs on each GPU alone):
 
@@ -227,7 +229,11 @@ def parallelize(layer: MoELayer, degree: int, dispatcher: str, device: torch.dev
     from lightning_ep.parallel.expert import parallelize_moe_layers
     from lightning_ep.parallel.mesh import init_mesh
 
-    layer.config = dataclasses.replace(layer.config, moe_all_to_all_dispatcher=dispatcher == "a2a")
+    layer.config = dataclasses.replace(
+        layer.config,
+        moe_all_to_all_dispatcher=dispatcher != "allgather",
+        symmetric_memory_dispatch=dispatcher == "symm",
+    )
     holder = nn.ModuleDict({"moe": layer})
     parallelize_moe_layers(holder, init_mesh(degree, device_type=device.type))
     return layer
@@ -312,7 +318,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["coarse", "fine"], choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per GPU (batch x sequence)")
     parser.add_argument("--degrees", nargs="+", type=int, default=None, help="default: 1 and the world size")
-    parser.add_argument("--dispatchers", nargs="+", default=["a2a", "allgather"], choices=["a2a", "allgather"])
+    parser.add_argument("--dispatchers", nargs="+", default=["a2a", "allgather"], choices=["a2a", "allgather", "symm"])
     layer_variants = [v for v in VARIANTS if v not in ("root-head", "eager-loss")]  # model-level variants
     parser.add_argument("--variants", nargs="+", default=layer_variants, choices=layer_variants)
     parser.add_argument("--balancing", default="none", choices=["none", "aux_loss", "sinkhorn", "balanced"])

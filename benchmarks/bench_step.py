@@ -14,19 +14,20 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   ``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=W)``, ``AdamW(foreach=False)``
   (``foreach=True`` fails on its mixed Tensor/DTensor parameters).
 - ``ep:a2a`` / ``ep:allgather``: ``lightning_ep.ExpertParallelStrategy(degree=W)`` with the
-  all-to-all or all-gather dispatcher (degree 1 when run on one GPU). ``+prefetch`` appended to a
-  row sets FSDP2 forward/backward prefetch of the next decoder layer explicitly, ``+ac`` checkpoints
-  every decoder layer (``activation_checkpointing=True``), ``+ac_keep`` does so keeping the MoE
-  layers' exchanges (``"keep_all_to_all"``), ``+compile`` compiles the dense parts of each decoder
-  layer, the routing of its MoE layer and the loss (``compile_layers=True``; on a baseline row the
-  same ``compile_blocks``, its MoE block included, and ``compile_loss``), ``+compile_dense`` the
-  dense parts only, ``+zero2`` keeps
-  gathered parameters from forward to backward (``reshard_after_forward=False``), ``+monitor`` adds
+  all-to-all or all-gather dispatcher (degree 1 when run on one GPU); ``ep:symm`` the dropless
+  exchange pulled through CUDA symmetric memory (``MoEConfig(symmetric_memory_dispatch=True)``).
+  ``+prefetch`` appended to a row sets FSDP2 forward/backward prefetch of the next decoder layer
+  explicitly, ``+ac`` checkpoints every decoder layer (``activation_checkpointing=True``),
+  ``+ac_keep`` does so keeping the MoE layers' exchanges (``"keep_all_to_all"``), ``+compile``
+  compiles the dense parts of each decoder layer, the routing of its MoE layer and the loss
+  (``compile_layers=True``; on a baseline row the same ``compile_blocks``, its MoE block included,
+  and ``compile_loss``), ``+compile_dense`` the dense parts only, ``+zero2`` keeps gathered
+  parameters from forward to backward (``reshard_after_forward=False``), ``+monitor`` adds
   ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); options combine
   (``ep:a2a+compile+zero2``); ``+manualgc`` turns Python's garbage collector off during the fit and
   collects the young generations every 5 steps instead; ``+dedup`` sends each token once per rank
-  (``MoEConfig(token_dedup=True)``, all-to-all rows only); ``@reference``
-  (or another of ``_variants.VARIANTS``) runs it on the replaced hot-path code.
+  (``MoEConfig(token_dedup=True)``, all-to-all rows only); ``@reference`` (or another of
+  ``_variants.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
 ``W`` GPUs). Reported per GPU: tokens/s, model TFLOP/s (``_common.model_flops_per_token``),
@@ -315,7 +316,8 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
 
         moe = MoEConfig(
             moe_load_balancing=args.balancing,  # type: ignore[arg-type]
-            moe_all_to_all_dispatcher=base == "ep:a2a",
+            moe_all_to_all_dispatcher=base in ("ep:a2a", "ep:symm"),
+            symmetric_memory_dispatch=base == "ep:symm",
             token_dedup="dedup" in options,
         )
         checkpointing: bool | str = "keep_all_to_all" if "ac_keep" in options else "ac" in options
@@ -406,6 +408,7 @@ ROW_LABELS = {
     "hf_ep": "(c) HF built-in EP",
     "ep:a2a": "(d) lightning_ep all-to-all",
     "ep:allgather": "(d) lightning_ep all-gather",
+    "ep:symm": "(d) lightning_ep symmetric-memory pulls",
 }
 
 

@@ -18,6 +18,7 @@ DropPolicy = Literal["probs", "position"]
 LOAD_BALANCING_MODES: tuple[str, ...] = get_args(LoadBalancing)
 ROUTER_DTYPES: tuple[str, ...] = get_args(RouterDtype)
 DROP_POLICIES: tuple[str, ...] = get_args(DropPolicy)
+_FLAGS = ("smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher", "token_dedup", "symmetric_memory_dispatch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +65,13 @@ class MoEConfig:
             Measured on 2 x H200 at Qwen3-30B-like shapes (degree 2, ``benchmarks/RESULTS.md``): 5%
             less GPU time per step, +2-4% tokens/s at 16,384 tokens per GPU, -1-5% at 8,192 where the
             step is bound by the host launching kernels (dedup launches more). Hence off by default.
+        symmetric_memory_dispatch: dropless all-to-all within one node only: instead of NCCL
+            all-to-all, each GPU reads the rows it needs straight from the other GPUs' memory, in the
+            order its experts take them (CUDA symmetric memory over NVLink;
+            ``lightning_ep.moe.dispatch_symm``). Same numbers bit for bit, fewer copies of every row.
+            Needs CUDA, Triton and every rank of an expert-parallel group on one node; holds one
+            buffer per group of about ``(T + M) x H`` elements (``M``: the most rows a rank's experts
+            received).
     """
 
     smp_moe: bool = True
@@ -80,9 +88,10 @@ class MoEConfig:
     drop_policy: DropPolicy = "probs"
     max_tokens_per_rank: int | None = None
     token_dedup: bool = False
+    symmetric_memory_dispatch: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher", "token_dedup"):
+        for name in _FLAGS:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"MoEConfig.{name} must be a bool, got {value!r} ({type(value).__name__}).")
@@ -116,6 +125,15 @@ class MoEConfig:
                 "MoEConfig.token_dedup=True deduplicates the dropless all-to-all dispatch, but moe_all_to_all_"
                 f"dispatcher={self.moe_all_to_all_dispatcher}, capacity_factor={self.capacity_factor}; "
                 "set moe_all_to_all_dispatcher=True and capacity_factor=None, or token_dedup=False."
+            )
+        if self.symmetric_memory_dispatch and (
+            self.capacity_factor is not None or not self.moe_all_to_all_dispatcher or self.token_dedup
+        ):
+            raise ValueError(
+                "MoEConfig.symmetric_memory_dispatch=True replaces the dropless all-to-all, but moe_all_to_all_"
+                f"dispatcher={self.moe_all_to_all_dispatcher}, capacity_factor={self.capacity_factor}, token_dedup="
+                f"{self.token_dedup}; set moe_all_to_all_dispatcher=True, capacity_factor=None and token_dedup=False, "
+                "or symmetric_memory_dispatch=False."
             )
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "balance_update_rate"):
             _check_float(name, getattr(self, name))

@@ -11,7 +11,8 @@ from lightning_ep.moe.dispatch_capacity import CapacityDispatcher
 
 def make_dispatcher(config: MoEConfig, num_experts: int, group: dist.ProcessGroup | None = None) -> Dispatcher:
     """Capacity-bounded when ``config.capacity_factor`` is set; otherwise local on one process (or a
-    group of one), all-to-all (deduplicated with ``config.token_dedup``) or all-gather across a group."""
+    group of one), all-to-all (deduplicated with ``config.token_dedup``, or pulled through symmetric memory with
+    ``config.symmetric_memory_dispatch``) or all-gather across a group."""
     degree = dist.get_world_size(group) if group is not None else 1
     if config.capacity_factor is not None:
         return CapacityDispatcher(
@@ -21,6 +22,10 @@ def make_dispatcher(config: MoEConfig, num_experts: int, group: dist.ProcessGrou
         return LocalDispatcher(num_experts)
     from lightning_ep.moe.dispatch_ep import AllGatherDispatcher, AllToAllDispatcher
 
+    if config.symmetric_memory_dispatch:
+        from lightning_ep.moe.dispatch_symm import SymmetricMemoryDispatcher
+
+        return SymmetricMemoryDispatcher(num_experts, group, config.max_tokens_per_rank)  # type: ignore[arg-type,return-value]
     if config.moe_all_to_all_dispatcher:
         return AllToAllDispatcher(
             num_experts,

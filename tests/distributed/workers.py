@@ -74,6 +74,7 @@ class Case:
     per_expert: bool = False  # the experts run one GEMM per expert on the dispatcher's host counts
     tied: bool = False  # lm_head shares the input embedding's weight
     dedup: bool = False  # MoEConfig.token_dedup
+    symm: bool = False  # MoEConfig.symmetric_memory_dispatch (CUDA only)
     top_k: int = 2
 
     def config(self) -> MoEConfig:
@@ -87,6 +88,7 @@ class Case:
             drop_policy=self.policy,  # type: ignore[arg-type]
             max_tokens_per_rank=self.budget,
             token_dedup=self.dedup,
+            symmetric_memory_dispatch=self.symm,
         )
 
 
@@ -125,7 +127,7 @@ def run_case(rank: int, world: int, case: Case) -> None:
         for layer in lightning_ep.moe_layers(model):
             layer.experts.use_grouped_mm = False
             layer.experts.register_forward_pre_hook(_check_host_counts)
-    if case.all_to_all and case.capacity is None and case.degree > 1:
+    if case.all_to_all and case.capacity is None and case.degree > 1 and not case.symm:
         assert all(layer.dispatcher.dedup is case.dedup for layer in lightning_ep.moe_layers(model)), case
     lightning_ep.shard_model(model, mesh)
     # An untied lm_head is an FSDP2 unit of its own; a tied one stays in the root's.

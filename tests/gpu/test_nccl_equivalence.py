@@ -31,12 +31,15 @@ FP32 = [
     Case(degree=2, device="cuda", shuffle=True),
     Case(degree=2, device="cuda", skew=True),
     Case(degree=2, device="cuda", dedup=True),
+    Case(degree=2, device="cuda", symm=True),
+    Case(degree=2, device="cuda", symm=True, skew=True, mode="aux_loss"),
 ]
 BF16 = [
     Case(degree=2, device="cuda", dtype="bfloat16", rtol=2e-2),
     Case(degree=2, device="cuda", dtype="bfloat16", rtol=2e-2, all_to_all=False, mode="aux_loss"),
     # One step: in bf16 a second step flips top-4 choices, deduplicated or not.
     Case(degree=2, device="cuda", dtype="bfloat16", rtol=2e-2, top_k=4, dedup=True, steps=1),
+    Case(degree=2, device="cuda", dtype="bfloat16", rtol=2e-2, symm=True),
 ]
 
 

@@ -189,12 +189,18 @@ def test_compile_layers_with_the_models_own_blocks(single_process) -> None:
             {"activation_checkpointing": "keep_all_to_all", "moe": MoEConfig(moe_all_to_all_dispatcher=False)},
             ValueError,
             r"keeps the all-to-all dispatcher's exchanges, but MoEConfig has moe_all_to_all_dispatcher=False, "
-            r"capacity_factor=None; use the dropless all-to-all dispatcher",
+            r"capacity_factor=None, symmetric_memory_dispatch=False; use the dropless all-to-all dispatcher",
         ),
         (
             {"activation_checkpointing": "keep_all_to_all", "moe": MoEConfig(capacity_factor=1.0)},
             ValueError,
-            r"moe_all_to_all_dispatcher=True, capacity_factor=1.0; use the dropless",
+            r"moe_all_to_all_dispatcher=True, capacity_factor=1.0, symmetric_memory_dispatch=False; use the dropless",
+        ),
+        (
+            {"activation_checkpointing": "keep_all_to_all", "moe": MoEConfig(symmetric_memory_dispatch=True)},
+            ValueError,
+            r"capacity_factor=None, symmetric_memory_dispatch=True; use the dropless all-to-all dispatcher "
+            r"\(True, None, False\)",
         ),
     ],
 )

@@ -1,0 +1,270 @@
+"""Rows read straight from the other GPUs of one node, through CUDA symmetric memory.
+
+Every rank of an expert-parallel group maps one buffer (``SymmetricWorkspace``) of every other
+rank into its own address space (``torch.distributed._symmetric_memory``), so a kernel on rank
+``r`` can load a row that rank ``s`` wrote, over NVLink, with an ordinary load. The three Triton
+kernels here gather rows that way; ``lightning_ep.moe.dispatch_symm`` builds the dispatch on them.
+
+One exchange is always: each rank writes its own buffer, ``barrier()`` (a device-side barrier on
+the current stream: no host sync), each rank reads the others' buffers. A rank never writes a
+buffer while another may still read the last exchange's contents in it, because every exchange
+has its own barrier, which a rank only reaches once its reads of the exchange before are done
+(stream order), and consecutive exchanges use different regions of the buffer.
+
+Region offsets are in bytes from the start of every rank's buffer and the same on every rank; a
+kernel finds rank ``s``'s copy of a region at ``bases[s] + offset``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from lightning_ep.moe.lazy_triton import lazy_kernels
+
+#: Elements of a row per program. Equal to ``combine._BLOCK_H``: the weight gradients' dot products
+#: then reduce in the same order as the fused combine's, so both give the same bits.
+BLOCK_H = 1024
+_ALIGN = 256
+_GROWTH = 1.25
+
+
+def align(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class SymmetricWorkspace:
+    """One symmetric-memory buffer per (process group, device), shared by every MoE layer.
+
+    ``reserve`` grows it when an exchange needs more bytes; every rank of the group calls it with
+    the same size at the same point (the size comes from the counts all ranks gathered), since
+    allocating is a collective rendezvous.
+    """
+
+    _instances: ClassVar[dict[tuple[str, int], SymmetricWorkspace]] = {}
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self.nbytes = 0
+        self.buffer: torch.Tensor | None = None
+        self.handle: Any = None
+        #: int64 ``[D]``: the address of every rank's buffer, as mapped on this rank.
+        self.bases: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup, device: torch.device) -> SymmetricWorkspace:
+        key = (group.group_name, device.index if device.index is not None else torch.cuda.current_device())
+        if key not in cls._instances:
+            cls._instances[key] = cls(group, device)
+        return cls._instances[key]
+
+    def reserve(self, nbytes: int) -> None:
+        """Make the buffer hold at least ``nbytes`` (collective when it grows)."""
+        if nbytes <= self.nbytes:
+            return
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        if self.handle is not None:
+            self.handle.barrier(channel=0)  # every rank is done reading the old buffer
+        size = align(int(nbytes * _GROWTH))
+        buffer = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
+        try:
+            handle = symm_mem.rendezvous(buffer, self.group)
+        except RuntimeError as error:
+            raise RuntimeError(
+                "MoEConfig.symmetric_memory_dispatch=True could not map the other GPUs' memory "
+                f"({error}); it needs every rank of the expert-parallel group on one node, with peer "
+                "access (NVLink) between the GPUs. Set symmetric_memory_dispatch=False."
+            ) from error
+        world = dist.get_world_size(self.group)
+        pointers = [handle.get_buffer(r, (size,), torch.uint8).data_ptr() for r in range(world)]
+        self.bases = torch.tensor(pointers, dtype=torch.int64, device=self.device)
+        self.buffer, self.handle, self.nbytes = buffer, handle, size
+
+    def region(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """This rank's own bytes ``offset ..`` of the buffer as a ``shape`` tensor of ``dtype``."""
+        assert self.buffer is not None
+        numel = 1
+        for n in shape:
+            numel *= n
+        return self.buffer[offset : offset + numel * dtype.itemsize].view(dtype).view(shape)
+
+    def barrier(self) -> None:
+        """Every rank's writes so far are visible to every rank after this (stream-ordered)."""
+        self.handle.barrier(channel=0)
+
+
+def pull_rows(
+    ws: SymmetricWorkspace,
+    tokens_at: int,
+    order_at: int,
+    src_M: torch.Tensor,
+    pos_M: torch.Tensor,
+    out_MH: torch.Tensor,
+    top_k: int,
+) -> None:
+    """``out[m] = tokens_s[order_s[pos[m]] // K]`` with ``s = src[m]``, read from rank ``s``'s
+    regions at ``tokens_at`` (rows ``[T_s, H]``) and ``order_at`` (int32: rank ``s``'s sorted pairs)."""
+    rows, hidden = out_MH.shape
+    if rows and hidden:
+        grid = (rows, -(-hidden // BLOCK_H))
+        _triton().pull_rows[grid](
+            ws.bases, tokens_at, order_at, src_M, pos_M, out_MH, H=hidden, K=top_k, BLOCK_H=BLOCK_H
+        )
+
+
+def pull_sum(
+    ws: SymmetricWorkspace,
+    rows_at: int,
+    src_TK: torch.Tensor,
+    row_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
+    out_TH: torch.Tensor,
+) -> None:
+    """``out[t] = sum_k w[t, k] * rows_d[row[t, k]]`` with ``d = src[t, k]`` (``w = 1`` without
+    weights), summed in fp32 in the order of ``k`` and rounded once: the combine kernel's arithmetic."""
+    tokens, hidden = out_TH.shape
+    if tokens and hidden:
+        grid = (tokens, -(-hidden // BLOCK_H))
+        weighted = weights_TK is not None
+        _triton().pull_sum[grid](
+            ws.bases,
+            rows_at,
+            src_TK,
+            row_TK,
+            weights_TK if weighted else src_TK,
+            out_TH,
+            H=hidden,
+            K=src_TK.shape[1],
+            BLOCK_H=BLOCK_H,
+            WEIGHTED=weighted,
+        )
+
+
+def pull_combine_backward(
+    ws: SymmetricWorkspace,
+    at: dict[str, int],
+    src_M: torch.Tensor,
+    pos_M: torch.Tensor,
+    y_MH: torch.Tensor,
+    grad_y_MH: torch.Tensor,
+    top_k: int,
+) -> None:
+    """For each local row ``m`` of pair ``p = order_s[pos[m]]`` of rank ``s = src[m]``:
+    ``grad_y[m] = w_s[p] * g_s[p // K]`` and ``grad_w_s[p] = <g_s[p // K], y[m]>`` in fp32, the
+    latter stored into rank ``s``'s region ``at["grad_w"]``. ``g`` (``[T_s, H]``), ``order`` and
+    ``w`` (fp32) are read from rank ``s``'s regions ``at["tokens"]``, ``at["order"]``, ``at["weights"]``."""
+    rows, hidden = y_MH.shape
+    if rows:
+        _triton().pull_combine_backward[(rows,)](
+            ws.bases,
+            at["tokens"],
+            at["order"],
+            at["weights"],
+            at["grad_w"],
+            src_M,
+            pos_M,
+            y_MH,
+            grad_y_MH,
+            H=hidden,
+            K=top_k,
+            BLOCK_H=BLOCK_H,
+        )
+
+
+def _build_kernels(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def pull_rows_kernel(
+        bases_ptr,
+        tokens_at,
+        order_at,
+        src_ptr,
+        pos_ptr,
+        out_ptr,
+        H: tl.constexpr,
+        K: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        # One program per (row, block of H). Rank s's region at byte offset o: bases[s] + o.
+        m = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        base = tl.load(bases_ptr + tl.load(src_ptr + m))
+        order = (base + order_at).to(tl.pointer_type(tl.int32))
+        pair = tl.load(order + tl.load(pos_ptr + m)).to(tl.int64)
+        tokens = (base + tokens_at).to(tl.pointer_type(out_ptr.dtype.element_ty))
+        x = tl.load(tokens + (pair // K) * H + offs, mask=mask)
+        tl.store(out_ptr + m * H + offs, x, mask=mask)
+
+    @triton.jit
+    def pull_sum_kernel(
+        bases_ptr,
+        rows_at,
+        src_ptr,
+        row_ptr,
+        w_ptr,
+        out_ptr,
+        H: tl.constexpr,
+        K: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        WEIGHTED: tl.constexpr,
+    ):
+        # One program per (token, block of H); the same sum as combine_forward.
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k in tl.static_range(K):
+            d = tl.load(src_ptr + t * K + k)
+            row = tl.load(row_ptr + t * K + k).to(tl.int64)
+            rows = (tl.load(bases_ptr + d) + rows_at).to(tl.pointer_type(out_ptr.dtype.element_ty))
+            y = tl.load(rows + row * H + offs, mask=mask, other=0.0)
+            if WEIGHTED:
+                acc += tl.load(w_ptr + t * K + k).to(tl.float32) * y.to(tl.float32)
+            else:
+                acc += y.to(tl.float32)
+        tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def pull_combine_backward_kernel(
+        bases_ptr,
+        tokens_at,
+        order_at,
+        weights_at,
+        grad_w_at,
+        src_ptr,
+        pos_ptr,
+        y_ptr,
+        gy_ptr,
+        H: tl.constexpr,
+        K: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        # One program per local row; the same products and sums as combine_backward.
+        m = tl.program_id(0).to(tl.int64)
+        base = tl.load(bases_ptr + tl.load(src_ptr + m))
+        pair = tl.load((base + order_at).to(tl.pointer_type(tl.int32)) + tl.load(pos_ptr + m)).to(tl.int64)
+        w = tl.load((base + weights_at).to(tl.pointer_type(tl.float32)) + pair)
+        g_row = (base + tokens_at).to(tl.pointer_type(gy_ptr.dtype.element_ty)) + (pair // K) * H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs = h0 + tl.arange(0, BLOCK_H)
+            mask = offs < H
+            g = tl.load(g_row + offs, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + m * H + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(gy_ptr + m * H + offs, (w * g).to(gy_ptr.dtype.element_ty), mask=mask)
+            acc += g * y
+        tl.store((base + grad_w_at).to(tl.pointer_type(tl.float32)) + pair, tl.sum(acc, axis=0))
+
+    class Kernels:
+        pull_rows = pull_rows_kernel
+        pull_sum = pull_sum_kernel
+        pull_combine_backward = pull_combine_backward_kernel
+
+    return Kernels
+
+
+_triton = lazy_kernels(_build_kernels)

@@ -1,0 +1,17 @@
+"""``MoEConfig.symmetric_memory_dispatch`` on 2 gloo processes: refused before any token moves.
+
+The dispatch itself needs CUDA GPUs of one node: ``tests/gpu/test_symm_dispatch_cuda.py``; its index
+plan is checked on the CPU in ``tests/unit/test_dispatch_symm.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import spawn
+from symm_workers import run_gloo_rejects
+
+pytestmark = pytest.mark.distributed
+
+
+def test_gloo_group_is_refused_with_the_fix() -> None:
+    spawn(run_gloo_rejects, 2)

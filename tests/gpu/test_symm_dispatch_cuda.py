@@ -1,0 +1,27 @@
+"""``MoEConfig.symmetric_memory_dispatch`` on 2 GPUs (NCCL): bit for bit the all-to-all dispatcher.
+
+The full-model equivalence against data parallelism runs in ``test_nccl_equivalence.py`` (cases with
+``symm=True``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+
+from harness import spawn
+from symm_workers import run_symm_matches_all_to_all
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+
+def test_symmetric_memory_dispatch_equals_all_to_all() -> None:
+    spawn(run_symm_matches_all_to_all, 2, backend="nccl")

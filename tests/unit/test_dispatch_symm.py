@@ -1,0 +1,135 @@
+"""The symmetric-memory dispatch's index plan (``dispatch_symm.plan_pulls``), on the CPU.
+
+The pulls themselves need CUDA GPUs of one node (``tests/gpu/test_symm_dispatch_cuda.py``); their
+indices are plain tensors, so here D ranks are emulated in one process: each rank's pulls are
+done with ``index_select`` on the other ranks' tensors, and compared with the all-to-all
+dispatcher's row order (expert-major, then source rank, then the source's stable sorted order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ep.moe.config import MoEConfig
+from lightning_ep.moe.dispatch import inverse_permutation, sort_by_expert
+from lightning_ep.moe.dispatch_symm import plan_pulls, region_offsets
+
+
+def _ranks(tokens: list[int], num_experts: int, top_k: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ranks = []
+    for T in tokens:
+        scores = torch.rand(T, num_experts, generator=g)
+        scores[:, 1] = -1.0  # an expert nobody picks
+        ids = torch.topk(scores, top_k, dim=-1).indices
+        order, counts = sort_by_expert(ids, num_experts)
+        x = torch.randn(T, 8, generator=g, dtype=torch.float64)
+        w = torch.rand(T, top_k, generator=g, dtype=torch.float64)
+        ranks.append(
+            {"ids": ids, "order": order, "inverse": inverse_permutation(order), "counts": counts, "x": x, "w": w}
+        )
+    return ranks
+
+
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k"),
+    [([6, 9, 0], 12, 3), ([16, 16], 8, 2), ([5, 1, 7, 3], 16, 4), ([11], 4, 2)],
+)
+def test_plan_pulls_reads_the_all_to_all_order(tokens: list[int], num_experts: int, top_k: int) -> None:
+    D = len(tokens)
+    L = num_experts // D
+    ranks = _ranks(tokens, num_experts, top_k, seed=D * 100 + num_experts)
+    counts_DE = torch.stack([r["counts"] for r in ranks])
+    plans = []
+    for rank in range(D):
+        rows = int(counts_DE[:, rank * L : (rank + 1) * L].sum())
+        plans.append(plan_pulls(counts_DE, rank, L, ranks[rank]["ids"], ranks[rank]["inverse"], rows))
+
+    received = []
+    for rank, (src_M, pos_M, _, _) in enumerate(plans):
+        # What the all-to-all dispatcher hands this rank's experts, built by hand.
+        want_rows, want_expert = [], []
+        for e in range(rank * L, (rank + 1) * L):
+            for s in range(D):
+                for pair in ranks[s]["order"].tolist():
+                    if ranks[s]["ids"].reshape(-1)[pair] == e:
+                        want_rows.append(ranks[s]["x"][pair // top_k])
+                        want_expert.append(e)
+        # The pull: row m is token order_s[pos[m]] // K of rank s = src[m].
+        got = (
+            torch.stack(
+                [
+                    ranks[s]["x"][ranks[s]["order"][p] // top_k]
+                    for s, p in zip(src_M.tolist(), pos_M.tolist(), strict=True)
+                ]
+            )
+            if src_M.numel()
+            else torch.empty(0, 8, dtype=torch.float64)
+        )
+        want = torch.stack(want_rows) if want_rows else torch.empty(0, 8, dtype=torch.float64)
+        assert torch.equal(got, want)
+        assert src_M.dtype == pos_M.dtype == torch.int32
+        # The experts: scale each row by its expert id + 1.
+        received.append(got * (torch.tensor(want_expert, dtype=torch.float64) + 1)[:, None])
+
+    for s, (_, _, src_TK, row_TK) in enumerate(plans):
+        # The combine pull: sum_k w[t, k] * y_d[row[t, k]] with d = src[t, k].
+        x, w, ids = ranks[s]["x"], ranks[s]["w"], ranks[s]["ids"]
+        rows = [
+            [received[d][r] for d, r in zip(ds, rs, strict=True)]
+            for ds, rs in zip(src_TK.tolist(), row_TK.tolist(), strict=True)
+        ]
+        got = (
+            torch.stack([sum(wk * yk for wk, yk in zip(w[t], rows[t], strict=True)) for t in range(len(rows))])
+            if rows
+            else x
+        )
+        want = x * (w * (ids + 1)).sum(1, keepdim=True)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+        assert torch.equal(src_TK, (ids // L).to(torch.int32))
+
+
+def test_pulls_and_rows_are_inverse_maps() -> None:
+    """Every pair of every rank is received exactly once, at the row its sender computed."""
+    tokens, num_experts, top_k = [13, 4, 9], 6, 2
+    D, L = len(tokens), num_experts // len(tokens)
+    ranks = _ranks(tokens, num_experts, top_k, seed=7)
+    counts_DE = torch.stack([r["counts"] for r in ranks])
+    plans = [
+        plan_pulls(counts_DE, r, L, ranks[r]["ids"], ranks[r]["inverse"], int(counts_DE[:, r * L : (r + 1) * L].sum()))
+        for r in range(D)
+    ]
+    seen = set()
+    for d, (src_M, pos_M, _, _) in enumerate(plans):
+        for m, (s, p) in enumerate(zip(src_M.tolist(), pos_M.tolist(), strict=True)):
+            pair = int(ranks[s]["order"][p])
+            assert int(plans[s][2].reshape(-1)[pair]) == d
+            assert int(plans[s][3].reshape(-1)[pair]) == m
+            seen.add((s, pair))
+    assert len(seen) == sum(tokens) * top_k
+
+
+def test_region_offsets_are_aligned_and_disjoint() -> None:
+    at = region_offsets(tokens=100, rows=333, top_k=8, hidden=72, element_size=2)
+    names = ["tokens", "rows", "order", "weights", "grad_w"]
+    sizes = [100 * 72 * 2, 333 * 72 * 2, 800 * 4, 800 * 4, 800 * 4]
+    for i, name in enumerate(names):
+        assert at[name] % 256 == 0
+        end = at[name] + sizes[i]
+        assert end <= (at[names[i + 1]] if i + 1 < len(names) else at["total"])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"moe_all_to_all_dispatcher": False},
+        {"capacity_factor": 1.0},
+        {"token_dedup": True},
+    ],
+)
+def test_config_rejects_symmetric_memory_with_other_exchanges(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="symmetric_memory_dispatch=True replaces the dropless all-to-all"):
+        MoEConfig(symmetric_memory_dispatch=True, **kwargs)
+    with pytest.raises(TypeError, match="symmetric_memory_dispatch must be a bool"):
+        MoEConfig(symmetric_memory_dispatch=1)  # type: ignore[arg-type]
