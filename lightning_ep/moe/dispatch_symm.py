@@ -14,8 +14,10 @@ from the other GPUs' memory, already in the order it needs them (``lightning_ep.
   all-to-all dispatcher's order) from the token row of its source rank;
 - combine: each rank puts its experts' output ``[M, H]`` in its buffer; a token's rank reads its K
   rows and sums them weighted in fp32 (the fused combine's arithmetic);
-- backward: the same two pulls with the roles swapped; the combine's weight gradients are written
-  straight into the token's rank.
+- backward: the same two pulls with the roles swapped; the experts' rank computes the combine's
+  weight gradients, and the token's rank pulls them.
+
+Every rank only ever writes its own buffer; remote memory is only read.
 
 Same numbers as the all-to-all dispatcher, bit for bit (``tests/gpu``). One host read per layer,
 like it: the gathered counts ``C``, which size ``M`` and the buffer.
@@ -30,7 +32,7 @@ import torch.distributed as dist
 
 from lightning_ep.moe.dispatch import Dispatched, inverse_permutation, sort_by_expert
 from lightning_ep.moe.dispatch_ep import _check_budget
-from lightning_ep.moe.symm_pull import SymmetricWorkspace, align, pull_combine_backward, pull_rows, pull_sum
+from lightning_ep.moe.symm_pull import SymmetricWorkspace, pull_combine_backward, pull_rows, pull_sum, region_sizes
 
 
 class PullPlan(NamedTuple):
@@ -46,8 +48,6 @@ class PullPlan(NamedTuple):
     order_N: torch.Tensor
     counts_L: torch.Tensor
     counts_host: list[int]
-    #: Byte offsets of the regions in every rank's buffer: tokens, rows, order, weights, grad_w.
-    at: dict[str, int]
 
 
 def plan_pulls(
@@ -78,24 +78,6 @@ def plan_pulls(
     src_TK = torch.div(expert_ids_TK, L, rounding_mode="floor")
     as32 = torch.int32
     return src_M.to(as32), pos_M.to(as32), src_TK.to(as32), row_TK.to(as32)
-
-
-def region_offsets(tokens: int, rows: int, top_k: int, hidden: int, element_size: int) -> dict[str, int]:
-    """Byte offsets of the regions for ``tokens`` and ``rows`` (the largest of any rank), and the total."""
-    pairs = tokens * top_k
-    sizes = {
-        "tokens": tokens * hidden * element_size,
-        "rows": rows * hidden * element_size,
-        "order": pairs * 4,
-        "weights": pairs * 4,
-        "grad_w": pairs * 4,
-    }
-    at, offset = {}, 0
-    for name, size in sizes.items():
-        at[name] = offset
-        offset += align(size)
-    at["total"] = offset
-    return at
 
 
 class SymmetricMemoryDispatcher:
@@ -146,13 +128,12 @@ class SymmetricMemoryDispatcher:
         if self.max_tokens_per_rank is not None:
             _check_budget(loads_D.tolist(), self.max_tokens_per_rank)
         rows = int(loads_D[self.rank])
-        at = region_offsets(int(tokens_D.max()), int(loads_D.max()), K, hidden, element_size)
-        workspace.reserve(at["total"])
+        workspace.reserve(region_sizes(int(tokens_D.max()), int(loads_D.max()), K, hidden, element_size))
         inverse_N = inverse_permutation(order_N)
         src_M, pos_M, src_TK, row_TK = plan_pulls(counts_DE, self.rank, L, expert_ids_TK, inverse_N, rows)
         mine = slice(self.rank * L, (self.rank + 1) * L)
         counts_L, counts_host = counts_DE[:, mine].sum(0), counts_host_DE[:, mine].sum(0).tolist()
-        plan = PullPlan(src_M, pos_M, src_TK, row_TK, order_N.to(torch.int32), counts_L, counts_host, at)
+        plan = PullPlan(src_M, pos_M, src_TK, row_TK, order_N.to(torch.int32), counts_L, counts_host)
         return plan, counts_E
 
 
@@ -163,11 +144,11 @@ class _PullDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_TH: torch.Tensor, plan: PullPlan, ws: SymmetricWorkspace) -> torch.Tensor:
         T, H = x_TH.shape
-        ws.region(plan.at["tokens"], (T, H), x_TH.dtype).copy_(x_TH)
-        ws.region(plan.at["order"], (plan.order_N.numel(),), torch.int32).copy_(plan.order_N)
+        ws.region(ws.at["tokens"], (T, H), x_TH.dtype).copy_(x_TH)
+        ws.region(ws.at["order"], (plan.order_N.numel(),), torch.int32).copy_(plan.order_N)
         ws.barrier()
         x_MH = x_TH.new_empty((plan.src_M.numel(), H))
-        pull_rows(ws, plan.at["tokens"], plan.at["order"], plan.src_M, plan.pos_M, x_MH, plan.src_TK.shape[1])
+        pull_rows(ws, ws.at["tokens"], ws.at["order"], plan.src_M, plan.pos_M, x_MH, plan.src_TK.shape[1])
         ctx.plan, ctx.ws, ctx.tokens = plan, ws, T
         return x_MH
 
@@ -175,10 +156,10 @@ class _PullDispatch(torch.autograd.Function):
     def backward(ctx: Any, grad_MH: torch.Tensor) -> tuple[Any, ...]:
         plan, ws = ctx.plan, ctx.ws
         grad_MH = grad_MH.contiguous()
-        ws.region(plan.at["rows"], tuple(grad_MH.shape), grad_MH.dtype).copy_(grad_MH)
+        ws.region(ws.at["rows"], tuple(grad_MH.shape), grad_MH.dtype).copy_(grad_MH)
         ws.barrier()
         grad_TH = grad_MH.new_empty((ctx.tokens, grad_MH.shape[1]))
-        pull_sum(ws, plan.at["rows"], plan.src_TK, plan.row_TK, None, grad_TH)
+        pull_sum(ws, ws.at["rows"], plan.src_TK, plan.row_TK, None, grad_TH)
         return grad_TH, None, None
 
 
@@ -190,10 +171,10 @@ class _PullCombine(torch.autograd.Function):
     def forward(
         ctx: Any, y_MH: torch.Tensor, weights_TK: torch.Tensor, plan: PullPlan, ws: SymmetricWorkspace
     ) -> torch.Tensor:
-        ws.region(plan.at["rows"], tuple(y_MH.shape), y_MH.dtype).copy_(y_MH)
+        ws.region(ws.at["rows"], tuple(y_MH.shape), y_MH.dtype).copy_(y_MH)
         ws.barrier()
         out_TH = y_MH.new_empty((weights_TK.shape[0], y_MH.shape[1]))
-        pull_sum(ws, plan.at["rows"], plan.src_TK, plan.row_TK, weights_TK, out_TH)
+        pull_sum(ws, ws.at["rows"], plan.src_TK, plan.row_TK, weights_TK, out_TH)
         ctx.save_for_backward(y_MH, weights_TK)
         ctx.plan, ctx.ws = plan, ws
         return out_TH
@@ -203,12 +184,15 @@ class _PullCombine(torch.autograd.Function):
         y_MH, weights_TK = ctx.saved_tensors
         plan, ws = ctx.plan, ctx.ws
         N = weights_TK.numel()
-        ws.region(plan.at["tokens"], tuple(grad_TH.shape), y_MH.dtype).copy_(grad_TH)
-        ws.region(plan.at["order"], (N,), torch.int32).copy_(plan.order_N)
-        ws.region(plan.at["weights"], (N,), torch.float32).copy_(weights_TK.reshape(-1))
+        ws.region(ws.at["tokens"], tuple(grad_TH.shape), y_MH.dtype).copy_(grad_TH)
+        ws.region(ws.at["order"], (N,), torch.int32).copy_(plan.order_N)
+        ws.region(ws.at["weights"], (N,), torch.float32).copy_(weights_TK.reshape(-1))
         ws.barrier()
         grad_y_MH = torch.empty_like(y_MH)
-        pull_combine_backward(ws, plan.at, plan.src_M, plan.pos_M, y_MH, grad_y_MH, weights_TK.shape[1])
-        ws.barrier()  # every rank's weight gradients have landed here
-        grad_w = ws.region(plan.at["grad_w"], tuple(weights_TK.shape), torch.float32).to(weights_TK.dtype, copy=True)
-        return grad_y_MH, grad_w, None, None
+        grad_w_M = ws.region(ws.at["grad_w"], (y_MH.shape[0],), torch.float32)
+        pull_combine_backward(ws, ws.at, plan.src_M, plan.pos_M, y_MH, grad_y_MH, grad_w_M, weights_TK.shape[1])
+        ws.barrier()
+        # Each pair's weight gradient, pulled from its expert's rank: a pull of one fp32 per pair.
+        grad_w_N1 = torch.empty((N, 1), dtype=torch.float32, device=y_MH.device)
+        pull_sum(ws, ws.at["grad_w"], plan.src_TK.view(N, 1), plan.row_TK.view(N, 1), None, grad_w_N1)
+        return grad_y_MH, grad_w_N1.view(weights_TK.shape).to(weights_TK.dtype), None, None

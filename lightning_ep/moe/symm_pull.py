@@ -6,10 +6,15 @@ rank into its own address space (``torch.distributed._symmetric_memory``), so a 
 kernels here gather rows that way; ``lightning_ep.moe.dispatch_symm`` builds the dispatch on them.
 
 One exchange is always: each rank writes its own buffer, ``barrier()`` (a device-side barrier on
-the current stream: no host sync), each rank reads the others' buffers. A rank never writes a
-buffer while another may still read the last exchange's contents in it, because every exchange
-has its own barrier, which a rank only reaches once its reads of the exchange before are done
-(stream order), and consecutive exchanges use different regions of the buffer.
+the current stream: no host sync), each rank reads the others' buffers. No kernel here writes
+another GPU's memory (remote stores would need a fence of their own before the barrier's signal).
+
+A rank never writes a region while another may still read the last exchange's contents in it:
+every exchange has its own barrier, which a rank only reaches once its reads of the exchange
+before are done (stream order), and no exchange writes a region the exchange right before it
+reads (dispatch: tokens and order; combine: rows; combine backward: tokens, order, weights,
+grad_w; dispatch backward: rows; they alternate). For that, the regions keep fixed offsets, the
+same for every layer, until the buffer grows (after a barrier).
 
 Region offsets are in bytes from the start of every rank's buffer and the same on every rank; a
 kernel finds rank ``s``'s copy of a region at ``bases[s] + offset``.
@@ -31,16 +36,36 @@ _ALIGN = 256
 _GROWTH = 1.25
 
 
+#: The workspace's regions: the tokens ``[T, H]`` and sorted pairs (int32 ``[N]``) a rank offers to
+#: the dispatch's pull, the rows ``[M, H]`` it offers to the combine's (and the dispatch backward's),
+#: the routing weights (fp32 ``[N]``) and the weight gradients of its rows (fp32 ``[M]``).
+REGIONS = ("tokens", "rows", "order", "weights", "grad_w")
+
+
 def align(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def region_sizes(tokens: int, rows: int, top_k: int, hidden: int, element_size: int) -> dict[str, int]:
+    """Bytes each region needs for ``tokens`` per rank and ``rows`` received."""
+    pairs = tokens * top_k
+    return {
+        "tokens": tokens * hidden * element_size,
+        "rows": rows * hidden * element_size,
+        "order": pairs * 4,
+        "weights": pairs * 4,
+        "grad_w": rows * 4,
+    }
 
 
 class SymmetricWorkspace:
     """One symmetric-memory buffer per (process group, device), shared by every MoE layer.
 
-    ``reserve`` grows it when an exchange needs more bytes; every rank of the group calls it with
-    the same size at the same point (the size comes from the counts all ranks gathered), since
-    allocating is a collective rendezvous.
+    Its regions have fixed offsets (``at``) between growths, whatever the layer: a region's bytes
+    are only ever that region's, so the exchanges of different layers never overlap in the buffer.
+    ``reserve`` grows the regions that are too small; every rank of the group calls it with the same
+    sizes at the same point (the largest of any rank, from the counts all ranks gathered), since
+    allocating is a collective rendezvous, so the offsets agree on every rank.
     """
 
     _instances: ClassVar[dict[tuple[str, int], SymmetricWorkspace]] = {}
@@ -48,7 +73,9 @@ class SymmetricWorkspace:
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group = group
         self.device = device
-        self.nbytes = 0
+        #: Bytes of each region, and their offsets in every rank's buffer (with the total).
+        self.sizes = dict.fromkeys(REGIONS, 0)
+        self.at = dict.fromkeys((*REGIONS, "total"), 0)
         self.buffer: torch.Tensor | None = None
         self.handle: Any = None
         #: int64 ``[D]``: the address of every rank's buffer, as mapped on this rank.
@@ -61,15 +88,20 @@ class SymmetricWorkspace:
             cls._instances[key] = cls(group, device)
         return cls._instances[key]
 
-    def reserve(self, nbytes: int) -> None:
-        """Make the buffer hold at least ``nbytes`` (collective when it grows)."""
-        if nbytes <= self.nbytes:
+    def reserve(self, sizes: dict[str, int]) -> None:
+        """Make every region hold at least ``sizes[region]`` bytes (collective when it grows)."""
+        if all(sizes[name] <= self.sizes[name] for name in REGIONS):
             return
         from torch.distributed import _symmetric_memory as symm_mem
 
         if self.handle is not None:
             self.handle.barrier(channel=0)  # every rank is done reading the old buffer
-        size = align(int(nbytes * _GROWTH))
+        self.sizes = {name: max(self.sizes[name], align(int(sizes[name] * _GROWTH))) for name in REGIONS}
+        offset = 0
+        for name in REGIONS:
+            self.at[name] = offset
+            offset += self.sizes[name]
+        self.at["total"] = size = max(offset, _ALIGN)
         buffer = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         try:
             handle = symm_mem.rendezvous(buffer, self.group)
@@ -82,7 +114,7 @@ class SymmetricWorkspace:
         world = dist.get_world_size(self.group)
         pointers = [handle.get_buffer(r, (size,), torch.uint8).data_ptr() for r in range(world)]
         self.bases = torch.tensor(pointers, dtype=torch.int64, device=self.device)
-        self.buffer, self.handle, self.nbytes = buffer, handle, size
+        self.buffer, self.handle = buffer, handle
 
     def region(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """This rank's own bytes ``offset ..`` of the buffer as a ``shape`` tensor of ``dtype``."""
@@ -151,12 +183,13 @@ def pull_combine_backward(
     pos_M: torch.Tensor,
     y_MH: torch.Tensor,
     grad_y_MH: torch.Tensor,
+    grad_w_M: torch.Tensor,
     top_k: int,
 ) -> None:
     """For each local row ``m`` of pair ``p = order_s[pos[m]]`` of rank ``s = src[m]``:
-    ``grad_y[m] = w_s[p] * g_s[p // K]`` and ``grad_w_s[p] = <g_s[p // K], y[m]>`` in fp32, the
-    latter stored into rank ``s``'s region ``at["grad_w"]``. ``g`` (``[T_s, H]``), ``order`` and
-    ``w`` (fp32) are read from rank ``s``'s regions ``at["tokens"]``, ``at["order"]``, ``at["weights"]``."""
+    ``grad_y[m] = w_s[p] * g_s[p // K]`` and ``grad_w[m] = <g_s[p // K], y[m]>`` in fp32 (the fused
+    combine's products and sums). ``g`` (``[T_s, H]``), ``order`` and ``w`` (fp32) are read from
+    rank ``s``'s regions ``at["tokens"]``, ``at["order"]``, ``at["weights"]``."""
     rows, hidden = y_MH.shape
     if rows:
         _triton().pull_combine_backward[(rows,)](
@@ -164,11 +197,11 @@ def pull_combine_backward(
             at["tokens"],
             at["order"],
             at["weights"],
-            at["grad_w"],
             src_M,
             pos_M,
             y_MH,
             grad_y_MH,
+            grad_w_M,
             H=hidden,
             K=top_k,
             BLOCK_H=BLOCK_H,
@@ -234,11 +267,11 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         tokens_at,
         order_at,
         weights_at,
-        grad_w_at,
         src_ptr,
         pos_ptr,
         y_ptr,
         gy_ptr,
+        gw_ptr,
         H: tl.constexpr,
         K: tl.constexpr,
         BLOCK_H: tl.constexpr,
@@ -257,7 +290,7 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
             y = tl.load(y_ptr + m * H + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(gy_ptr + m * H + offs, (w * g).to(gy_ptr.dtype.element_ty), mask=mask)
             acc += g * y
-        tl.store((base + grad_w_at).to(tl.pointer_type(tl.float32)) + pair, tl.sum(acc, axis=0))
+        tl.store(gw_ptr + m, tl.sum(acc, axis=0))
 
     class Kernels:
         pull_rows = pull_rows_kernel

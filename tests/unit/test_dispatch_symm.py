@@ -13,7 +13,8 @@ import torch
 
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.dispatch import inverse_permutation, sort_by_expert
-from lightning_ep.moe.dispatch_symm import plan_pulls, region_offsets
+from lightning_ep.moe.dispatch_symm import plan_pulls
+from lightning_ep.moe.symm_pull import REGIONS, region_sizes
 
 
 def _ranks(tokens: list[int], num_experts: int, top_k: int, seed: int) -> list[dict]:
@@ -110,14 +111,10 @@ def test_pulls_and_rows_are_inverse_maps() -> None:
     assert len(seen) == sum(tokens) * top_k
 
 
-def test_region_offsets_are_aligned_and_disjoint() -> None:
-    at = region_offsets(tokens=100, rows=333, top_k=8, hidden=72, element_size=2)
-    names = ["tokens", "rows", "order", "weights", "grad_w"]
-    sizes = [100 * 72 * 2, 333 * 72 * 2, 800 * 4, 800 * 4, 800 * 4]
-    for i, name in enumerate(names):
-        assert at[name] % 256 == 0
-        end = at[name] + sizes[i]
-        assert end <= (at[names[i + 1]] if i + 1 < len(names) else at["total"])
+def test_region_sizes() -> None:
+    sizes = region_sizes(tokens=100, rows=333, top_k=8, hidden=72, element_size=2)
+    assert sizes == {"tokens": 100 * 72 * 2, "rows": 333 * 72 * 2, "order": 3200, "weights": 3200, "grad_w": 333 * 4}
+    assert tuple(sizes) == REGIONS
 
 
 @pytest.mark.parametrize(
