@@ -70,8 +70,10 @@ class MoEConfig:
             order its experts take them (CUDA symmetric memory over NVLink;
             ``lightning_ep.moe.dispatch_symm``). Same numbers bit for bit, fewer copies of every row.
             Needs CUDA, Triton and every rank of an expert-parallel group on one node; holds one
-            buffer per group of about ``(T + M) x H`` elements (``M``: the most rows a rank's experts
-            received).
+            buffer per group of about ``1.25 x (T + M) x H`` elements (``M``: the most rows a rank's
+            experts received so far). Off by default; measured on 2 x H200 at Qwen3-30B-like shapes
+            (``benchmarks/RESULTS.md``, Session 7): the fine layer 1.36-1.51x its floor instead of
+            1.46-1.66x, +0-5% tokens/s per step by host, no change at Mixtral shapes.
     """
 
     smp_moe: bool = True
