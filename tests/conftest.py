@@ -1,4 +1,5 @@
-"""Shared helpers for every test tier: the tiny Mixtral factory and a relative-error helper.
+"""Shared helpers for every test tier: the tiny Mixtral factory, a relative-error helper, and a
+counter of CUDA host syncs.
 
 Import them from a test module with ``from conftest import tiny_mixtral_config`` (pytest puts this
 folder on ``sys.path``), or use the fixtures below. transformers is imported lazily so that
@@ -7,6 +8,8 @@ collecting a test that does not need it does not pay for (or depend on) the impo
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -41,6 +44,29 @@ def tiny_mixtral(seed: int = 0, **overrides: Any):
 
     torch.manual_seed(seed)
     return MixtralForCausalLM(tiny_mixtral_config(**overrides)).train()
+
+
+def count_syncs(fn: Callable[[], Any]) -> int:
+    """Device-to-host syncs of one ``fn()`` in steady state (``torch.cuda.set_sync_debug_mode``).
+
+    The first run under the sync debug mode in a process reports one sync that never recurs (seen
+    on H200, torch 2.11: 12 later steps had none, in "warn" and in "error" mode), so a first run
+    under the mode is discarded."""
+    _count_syncs_once(fn)
+    return _count_syncs_once(fn)
+
+
+def _count_syncs_once(fn: Callable[[], Any]) -> int:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -27,6 +27,14 @@ from lightning_ep.moe.dispatch import (
 )
 
 
+def expert_layout(num_experts: int, group: dist.ProcessGroup) -> tuple[int, int, int]:
+    """``(D, rank, L)`` of an expert-parallel group: its size, this rank, and the experts per rank."""
+    degree = dist.get_world_size(group)
+    if num_experts % degree:
+        raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel degree {degree}.")
+    return degree, dist.get_rank(group), num_experts // degree
+
+
 class AllToAllDispatcher:
     """Tokens travel to the rank of their expert and back by variable-size all-to-all.
 
@@ -47,13 +55,8 @@ class AllToAllDispatcher:
         *,
         dedup: bool = False,
     ) -> None:
-        self.group = group
-        self.degree = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        if num_experts % self.degree:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.degree}.")
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.degree
+        self.group, self.num_experts = group, num_experts
+        self.degree, self.rank, self.num_local_experts = expert_layout(num_experts, group)
         self.max_tokens_per_rank = max_tokens_per_rank
         #: Send each token once per destination rank (``lightning_ep.moe.dedup``), not once per expert.
         self.dedup = dedup
@@ -241,13 +244,8 @@ class AllGatherDispatcher:
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.degree = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        if num_experts % self.degree:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.degree}.")
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.degree
+        self.group, self.num_experts = group, num_experts
+        self.degree, self.rank, self.num_local_experts = expert_layout(num_experts, group)
 
     def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:
         L, K = self.num_local_experts, expert_ids_TK.shape[1]

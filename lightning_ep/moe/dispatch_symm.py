@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ep.moe.dispatch import Dispatched, inverse_permutation, sort_by_expert
-from lightning_ep.moe.dispatch_ep import _check_budget
+from lightning_ep.moe.dispatch_ep import _check_budget, expert_layout
 from lightning_ep.moe.symm_pull import SymmetricWorkspace, pull_combine_backward, pull_rows, pull_sum, region_sizes
 
 
@@ -96,13 +96,8 @@ class SymmetricMemoryDispatcher:
                 f"MoEConfig.symmetric_memory_dispatch=True needs CUDA GPUs in an NCCL process group, got the "
                 f"{backend!r} backend; set symmetric_memory_dispatch=False (the all-to-all dispatcher runs anywhere)."
             )
-        self.group = group
-        self.degree = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        if num_experts % self.degree:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.degree}.")
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.degree
+        self.group, self.num_experts = group, num_experts
+        self.degree, self.rank, self.num_local_experts = expert_layout(num_experts, group)
         self.max_tokens_per_rank = max_tokens_per_rank
 
     def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:

@@ -6,10 +6,9 @@ the dispatcher is compared with the all-to-all dispatcher bit for bit.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
+from conftest import count_syncs  # tests/ is on sys.path under pytest, also in spawned workers
 
 from lightning_ep.moe import MoEConfig
 from lightning_ep.moe.dispatchers import make_dispatcher
@@ -75,26 +74,6 @@ def _run_chain(dispatcher, x_TH, ids_list, weights_list, scale_E, upstream_TH) -
     return [*outs, x_TH.grad, *(w.grad for w in weights)]
 
 
-def _syncs(fn) -> int:
-    """Syncs of one ``fn()`` in steady state: the first run under the sync debug mode in a process
-    reports one sync that never recurs (``tests/gpu/test_fast_paths_cuda.py``), so it is discarded."""
-    _syncs_once(fn)
-    return _syncs_once(fn)
-
-
-def _syncs_once(fn) -> int:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 def run_symm_matches_all_to_all(rank: int, world: int) -> None:
     """Rows, outputs and every gradient equal the all-to-all dispatcher's, bit for bit: fp32 and
     bf16, uneven tokens per rank, a hidden size that is not a multiple of the kernels' block, a rank
@@ -135,7 +114,7 @@ def run_symm_matches_all_to_all(rank: int, world: int) -> None:
             assert got[0].shape[0] == 0
         if name == "grows":
             assert workspace.at["total"] > before, (before, workspace.at["total"])
-        syncs = _syncs(lambda: _run(symm, x_TH, ids_TK, weights_TK, scale_E, upstream_TH))  # noqa: B023
+        syncs = count_syncs(lambda: _run(symm, x_TH, ids_TK, weights_TK, scale_E, upstream_TH))  # noqa: B023
         assert syncs == 1, (name, syncs)
 
     # Four layers whose row counts differ a lot (skewed, top-1, top-4, uniform), forward then backward.

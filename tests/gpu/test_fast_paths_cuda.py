@@ -8,13 +8,11 @@ The CPU twin of the equality checks is ``tests/unit/test_fast_paths.py``. Syncs 
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import rel_err
+from conftest import count_syncs, rel_err
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
@@ -51,27 +49,6 @@ def _layer(num_experts=16, hidden=128, inter=64, top_k=4, dtype=torch.bfloat16, 
         GroupedExperts(nn.Parameter(w1), nn.Parameter(w2), F.silu),
         MoEConfig(moe_load_balancing="none"),
     ).train()
-
-
-def _count_syncs(fn) -> int:
-    """Syncs of one ``fn()`` in steady state. The first run under the sync debug mode in a process
-    reports one sync that never recurs (seen on H200, torch 2.11: 12 later steps had none, in "warn"
-    and in "error" mode), so a first run under the mode is discarded."""
-    _count_once(fn)
-    return _count_once(fn)
-
-
-def _count_once(fn) -> int:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 # ---------------------------------------------------------------- equality with the references
@@ -303,7 +280,7 @@ def _fwd_bwd(layer: MoELayer):
 def test_local_layer_makes_no_host_sync():
     step = _fwd_bwd(_layer())
     step()  # warm-up: library handles, allocator
-    assert _count_syncs(step) == 0
+    assert count_syncs(step) == 0
 
 
 @pytest.fixture
@@ -331,7 +308,7 @@ def test_expert_parallel_layer_makes_at_most_one_host_sync(one_rank_nccl_group, 
         layer.dispatcher = AllToAllDispatcher(layer.num_experts, one_rank_nccl_group, dedup=dedup)
     step = _fwd_bwd(layer)
     step()
-    assert _count_syncs(step) == 1
+    assert count_syncs(step) == 1
 
 
 @pytest.mark.parametrize(("counts", "per_expert"), [([9000, 0, 12000, 11000], True), ([300] * 16, False)])
