@@ -260,7 +260,8 @@ class MoELayer(nn.Module):
         if not getattr(self.dispatcher, "keeps_exchanges", False):
             raise ValueError(
                 f"MoELayer.keep_all_to_all needs the all-to-all dispatcher, got {type(self.dispatcher).__name__}; "
-                "set MoEConfig(moe_all_to_all_dispatcher=True, capacity_factor=None) or keep_all_to_all=False."
+                "set MoEConfig(moe_all_to_all_dispatcher=True, capacity_factor=None, symmetric_memory_dispatch=False) "
+                "or keep_all_to_all=False."
             )
         if in_backward():
             return self._kept.pop(draw_id, None)

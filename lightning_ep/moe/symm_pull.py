@@ -63,7 +63,8 @@ class SymmetricWorkspace:
 
     Its regions have fixed offsets (``at``) between growths, whatever the layer: a region's bytes
     are only ever that region's, so the exchanges of different layers never overlap in the buffer.
-    ``reserve`` grows the regions that are too small; every rank of the group calls it with the same
+    ``reserve`` reallocates it when a region is too small (every region then gets 1.25 times what
+    the call asked, or keeps its size if larger); every rank of the group calls it with the same
     sizes at the same point (the largest of any rank, from the counts all ranks gathered), since
     allocating is a collective rendezvous, so the offsets agree on every rank.
     """

@@ -97,3 +97,13 @@ def test_dropped_pairs_contribute_nothing_and_are_counted() -> None:
 def test_capacity_config_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         MoEConfig(**kwargs)
+
+
+def test_keep_all_to_all_refuses_a_dispatcher_without_kept_exchanges() -> None:
+    """``MoELayer.keep_all_to_all`` on a dispatcher that cannot keep its exchanges (here the capacity
+    dispatcher) fails at the first training forward, naming the settings that fix it."""
+    model = lightning_ep.transform(tiny_mixtral(), MoEConfig(capacity_factor=1.0, moe_load_balancing="none"))
+    for layer in lightning_ep.moe_layers(model):
+        layer.keep_all_to_all = True
+    with pytest.raises(ValueError, match=re.escape("capacity_factor=None, symmetric_memory_dispatch=False) or keep")):
+        model(input_ids=torch.randint(0, 128, (2, 8)))
