@@ -1,0 +1,117 @@
+"""Run by ``tests/unit/test_dispatch_symm.py`` under Triton's CPU interpreter (``TRITON_INTERPRET=1``):
+the three symmetric-memory pull kernels (``lightning_ep.moe.symm_pull``) against torch references.
+
+The ranks of a group are emulated in one process: each has a plain CPU buffer laid out like a
+``SymmetricWorkspace`` (same regions, same offsets), and the kernels get the buffers' addresses as
+the pointer table, exactly as they get the mapped peer buffers on CUDA. Three ranks, a hidden size
+of two kernel blocks with a masked tail, a rank without tokens, an expert nobody picks.
+"""
+
+import types
+
+import torch
+
+from lightning_ep.moe import symm_pull
+from lightning_ep.moe.dispatch import inverse_permutation, sort_by_expert
+from lightning_ep.moe.dispatch_symm import plan_pulls
+
+D, E, K, H = 3, 12, 3, 1100  # two blocks of 1024 per row, the second masked
+L = E // D
+tokens = [5, 8, 0]  # the last rank has no tokens
+g = torch.Generator().manual_seed(0)
+ranks = []
+for T in tokens:
+    scores = torch.rand(T, E, generator=g)
+    scores[:, 2] = -1.0  # an expert nobody picks
+    ids = torch.topk(scores, K, dim=-1).indices
+    order, counts = sort_by_expert(ids, E)
+    ranks.append(
+        {
+            "ids": ids,
+            "order": order,
+            "counts": counts,
+            "plan": None,
+            "x": torch.randn(T, H, generator=g),
+            "w": torch.rand(T, K, generator=g),
+            "g": torch.randn(T, H, generator=g),
+        }
+    )
+counts_DE = torch.stack([r["counts"] for r in ranks])
+rows = [int(counts_DE[:, r * L : (r + 1) * L].sum()) for r in range(D)]
+for r, rank in enumerate(ranks):
+    rank["plan"] = plan_pulls(counts_DE, r, L, rank["ids"], inverse_permutation(rank["order"]), rows[r])
+sizes = symm_pull.region_sizes(max(tokens), max(rows), K, H, 4)
+at, total = {}, 0
+for name in symm_pull.REGIONS:
+    at[name], total = total, total + symm_pull.align(sizes[name])
+buffers = [torch.zeros(total, dtype=torch.uint8) for _ in range(D)]
+ws = types.SimpleNamespace(bases=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64))
+
+
+def region(r, name, n, dtype):
+    return buffers[r][at[name] : at[name] + n * dtype.itemsize].view(dtype)
+
+
+def pair_of(m_src, m_pos):
+    """(source rank, flat pair) of each received row."""
+    return [(s, int(ranks[s]["order"][p])) for s, p in zip(m_src.tolist(), m_pos.tolist(), strict=True)]
+
+
+# Dispatch: every rank offers its tokens and sorted pairs; every rank pulls its experts' rows.
+for r, rank in enumerate(ranks):
+    region(r, "tokens", rank["x"].numel(), torch.float32).copy_(rank["x"].reshape(-1))
+    region(r, "order", rank["order"].numel(), torch.int32).copy_(rank["order"].to(torch.int32))
+x_M, y_M = [], []
+for r, rank in enumerate(ranks):
+    src_M, pos_M = rank["plan"][:2]
+    out = torch.full((rows[r], H), float("nan"))
+    symm_pull.pull_rows(ws, at["tokens"], at["order"], src_M, pos_M, out, K)
+    want = [ranks[s]["x"][p // K] for s, p in pair_of(src_M, pos_M)]
+    assert torch.equal(out, torch.stack(want) if want else out), r
+    x_M.append(out)
+    y_M.append(torch.tanh(out) * (r + 1))
+
+# Combine: every rank offers its experts' rows; a token's rank pulls its K rows, weighted.
+for r in range(D):
+    region(r, "rows", y_M[r].numel(), torch.float32).copy_(y_M[r].reshape(-1))
+for s, rank in enumerate(ranks):
+    src_TK, row_TK = rank["plan"][2:]
+    for weights in (rank["w"], None):
+        out = torch.full((tokens[s], H), float("nan"))
+        symm_pull.pull_sum(ws, at["rows"], src_TK, row_TK, weights, out)
+        want = torch.zeros(tokens[s], H)
+        for k in range(K):
+            y = (
+                torch.stack([y_M[d][i] for d, i in zip(src_TK[:, k].tolist(), row_TK[:, k].tolist(), strict=True)])
+                if tokens[s]
+                else want
+            )
+            want = want + (weights[:, k : k + 1] * y if weights is not None else y)
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+# Combine backward: every rank offers the output's gradient, its sorted pairs and weights; the
+# experts' rank computes each row's gradient and its weight's; the token's rank pulls the latter.
+for r, rank in enumerate(ranks):
+    region(r, "tokens", rank["g"].numel(), torch.float32).copy_(rank["g"].reshape(-1))
+    region(r, "order", rank["order"].numel(), torch.int32).copy_(rank["order"].to(torch.int32))
+    region(r, "weights", rank["w"].numel(), torch.float32).copy_(rank["w"].reshape(-1))
+for r, rank in enumerate(ranks):
+    src_M, pos_M = rank["plan"][:2]
+    grad_y = torch.full((rows[r], H), float("nan"))
+    grad_w = region(r, "grad_w", rows[r], torch.float32)
+    symm_pull.pull_combine_backward(ws, at, src_M, pos_M, y_M[r], grad_y, grad_w, K)
+    for m, (s, p) in enumerate(pair_of(src_M, pos_M)):
+        g_row = ranks[s]["g"][p // K]
+        torch.testing.assert_close(grad_y[m], ranks[s]["w"].reshape(-1)[p] * g_row, rtol=0, atol=0)
+        torch.testing.assert_close(grad_w[m], (g_row * y_M[r][m]).sum(), rtol=1e-5, atol=1e-5)
+for s, rank in enumerate(ranks):
+    src_TK, row_TK = rank["plan"][2:]
+    N = src_TK.numel()
+    out = torch.full((N, 1), float("nan"))
+    symm_pull.pull_sum(ws, at["grad_w"], src_TK.view(N, 1), row_TK.view(N, 1), None, out)
+    want = [
+        region(d, "grad_w", rows[d], torch.float32)[i]
+        for d, i in zip(src_TK.reshape(-1).tolist(), row_TK.reshape(-1).tolist(), strict=True)
+    ]
+    assert torch.equal(out.view(-1), torch.stack(want) if want else out.view(-1)), s
+print("ok")
