@@ -19,7 +19,8 @@ backward zero-fills and scatter-adds), ``reference`` (both), ``serial-shared`` (
 shared expert: it runs after the dispatch exchange instead of during it). With a shared expert,
 ``all-to-all`` is the exchange time left exposed after the shared expert's work. Dispatcher
 ``symm`` (``MoEConfig(symmetric_memory_dispatch=True)``) has no separate exchange: its pulls are
-timed in ``permutation`` (dispatch) and ``combine``.
+timed in ``permutation`` (dispatch) and ``combine``; ``symm-budget`` is the same with
+``max_tokens_per_rank = --row-budget x tokens x top_k`` (the static plan: no host sync).
 
 Run (two GPUs; degree 1 runs on each GPU alone):
 
@@ -220,8 +221,11 @@ class SharedExpert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def parallelize(layer: MoELayer, degree: int, dispatcher: str, device: torch.device) -> MoELayer:
-    """Shard the experts over ``degree`` ranks (``degree == world``) and pick the dispatcher."""
+def parallelize(
+    layer: MoELayer, degree: int, dispatcher: str, device: torch.device, budget: int | None = None
+) -> MoELayer:
+    """Shard the experts over ``degree`` ranks (``degree == world``) and pick the dispatcher
+    (``budget``: ``max_tokens_per_rank`` of ``symm-budget``)."""
     if degree == 1:
         return layer
     import dataclasses
@@ -232,7 +236,8 @@ def parallelize(layer: MoELayer, degree: int, dispatcher: str, device: torch.dev
     layer.config = dataclasses.replace(
         layer.config,
         moe_all_to_all_dispatcher=dispatcher != "allgather",
-        symmetric_memory_dispatch=dispatcher == "symm",
+        symmetric_memory_dispatch=dispatcher.startswith("symm"),
+        max_tokens_per_rank=budget if dispatcher == "symm-budget" else None,
     )
     holder = nn.ModuleDict({"moe": layer})
     parallelize_moe_layers(holder, init_mesh(degree, device_type=device.type))
@@ -294,7 +299,7 @@ def floor_ms(
         routing = layer.gate(x)
         dispatched = layer.dispatcher.dispatch(x, routing.expert_ids_TK)
         counts = dispatched.counts_L.tolist()
-        assert dispatched.x_MH.shape[0] == sum(counts)  # also completes the exchange
+        assert dispatched.x_MH.shape[0] >= sum(counts)  # also completes the exchange (symm-budget pads)
     rows = int(sum(counts))
     gemm = grouped_gemm_fwd_bwd_ms(counts, shape.hidden, shape.inter, device, dtype)
     shared = 18 * tokens * shape.hidden * shape.shared_inter / (dense_tflops * 1e12) * 1e3
@@ -318,7 +323,13 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["coarse", "fine"], choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per GPU (batch x sequence)")
     parser.add_argument("--degrees", nargs="+", type=int, default=None, help="default: 1 and the world size")
-    parser.add_argument("--dispatchers", nargs="+", default=["a2a", "allgather"], choices=["a2a", "allgather", "symm"])
+    parser.add_argument(
+        "--dispatchers", nargs="+", default=["a2a", "allgather"], choices=["a2a", "allgather", "symm", "symm-budget"]
+    )
+    parser.add_argument("--row-budget", type=float, default=1.25, help="symm-budget: budget over tokens x top_k")
+    parser.add_argument(
+        "--compile", action="store_true", help="MoELayer.compile_routing(): the routing (and a symm plan) compiled"
+    )
     layer_variants = [v for v in VARIANTS if v not in ("root-head", "eager-loss")]  # model-level variants
     parser.add_argument("--variants", nargs="+", default=layer_variants, choices=layer_variants)
     parser.add_argument("--balancing", default="none", choices=["none", "aux_loss", "sinkhorn", "balanced"])
@@ -347,7 +358,11 @@ def main() -> None:
                 log(f"skip degree {degree}: runs at degree 1 or the world size ({world()})")
                 continue
             for dispatcher in args.dispatchers if degree > 1 else ["local"]:
-                layer = parallelize(build_layer(shape, args.balancing, device, dtype), degree, dispatcher, device)
+                budget = -(-int(args.row_budget * args.tokens * shape.top_k) // 128) * 128
+                layer = build_layer(shape, args.balancing, device, dtype)
+                layer = parallelize(layer, degree, dispatcher, device, budget)
+                if args.compile:
+                    layer.compile_routing()
                 floor = floor_ms(layer, shape, args.tokens, device, dtype, dense)
                 for name in args.variants:
                     if name == "serial-shared" and not shape.shared_inter:
@@ -385,6 +400,8 @@ def main() -> None:
 
     notes = (
         f"Tokens per GPU {args.tokens}, balancing {args.balancing!r}, bf16 weights and activations, "
+        + ("routing compiled (compile_routing), " if args.compile else "")
+        + f"symm-budget rows: budget {args.row_budget} x tokens x top_k; "
         f"median of {args.iters} after {args.warmup} warm-ups; dense bf16 GEMM {dense:.0f} TFLOP/s. "
         "Phases are forward + backward; `marked ms` is the run that carries the phase marks. "
         "Floor = expert GEMMs at the grouped-GEMM rate measured now on the layer's own row counts "

@@ -26,7 +26,9 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); options combine
   (``ep:a2a+compile+zero2``); ``+manualgc`` turns Python's garbage collector off during the fit and
   collects the young generations every 5 steps instead; ``+dedup`` sends each token once per rank
-  (``MoEConfig(token_dedup=True)``, all-to-all rows only); ``@reference`` (or another of
+  (``MoEConfig(token_dedup=True)``, all-to-all rows only); ``+budget`` sets
+  ``MoEConfig(max_tokens_per_rank=ceil(--row-budget x batch x seq x top_k))``, which on an
+  ``ep:symm`` row makes the dispatch static and free of host syncs; ``@reference`` (or another of
   ``_variants.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
@@ -300,6 +302,12 @@ def _callback(warmup: int, steps: int, device: torch.device, profile: bool, trac
     return StepClock()
 
 
+def row_budget(args: Any, shape: Shape) -> int:
+    """``--row-budget`` times the rows a rank's experts receive on average, rounded up to 128."""
+    rows = args.row_budget * args.batch * args.seq * shape.top_k
+    return -(-int(rows) // 128) * 128
+
+
 def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained: str | None) -> dict:
     from lightning.pytorch import Trainer, seed_everything
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -319,6 +327,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
             moe_all_to_all_dispatcher=base in ("ep:a2a", "ep:symm"),
             symmetric_memory_dispatch=base == "ep:symm",
             token_dedup="dedup" in options,
+            max_tokens_per_rank=row_budget(args, shape) if "budget" in options else None,
         )
         checkpointing: bool | str = "keep_all_to_all" if "ac_keep" in options else "ac" in options
         strategy: Any = ExpertParallelStrategy(
@@ -425,6 +434,9 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16-true", choices=["bf16-true", "bf16-mixed", "32-true"])
     parser.add_argument("--balancing", default="none", choices=["none", "aux_loss", "sinkhorn", "balanced"])
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument(
+        "--row-budget", type=float, default=1.25, help="+budget rows: max_tokens_per_rank over tokens x top_k"
+    )
     parser.add_argument(
         "--optimizer", default="fused", choices=["fused", "foreach"], help="AdamW kernel (hf_ep: foreach=False)"
     )

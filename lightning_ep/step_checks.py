@@ -43,12 +43,17 @@ class StepChecks:
         # Sum over the micro-batches since the last optimizer step of the averaged [aux..., z...].
         self._losses: torch.Tensor | None = None
         self._micro_batches = 0
+        # The layers' dispatchers that keep a static row budget (checked before the optimizer step).
+        self._budgets: list[Any] = []
 
     def after_forward(self, layers: list[MoELayer], module: pl.LightningModule, device: torch.device) -> None:
         """Average the per-layer losses and non-finite flags over ranks (one all-reduce, no host
         sync) and keep them. Under manual optimization (the optimizer steps ran inside
         ``training_step``) the flags are read and the losses logged at once."""
+        self._budgets = [lr.dispatcher for lr in layers if hasattr(lr.dispatcher, "raise_if_over_budget")]
         if not layers or not (self.check_finite or self.log_losses):
+            if not module.automatic_optimization:
+                self._raise_if_over_budget()
             return
         n = len(layers)
         flags = [lr.nonfinite.float() if self.check_finite else torch.zeros(()) for lr in layers]
@@ -69,8 +74,10 @@ class StepChecks:
             self.before_optimizer_step(module)
 
     def before_optimizer_step(self, module: pl.LightningModule | None) -> None:
-        """Raise on a non-finite flag, then log the losses kept since the last optimizer step."""
+        """Raise on a non-finite flag or rows over a static dispatch budget, then log the losses
+        kept since the last optimizer step."""
         self.raise_if_nonfinite(module)
+        self._raise_if_over_budget()
         losses, count = self._losses, self._micro_batches
         self._losses, self._micro_batches = None, 0
         if losses is None or module is None:
@@ -82,6 +89,12 @@ class StepChecks:
         per_layer = {f"moe/layer_{i}/aux_loss": aux[i] for i in range(n)}
         per_layer |= {f"moe/layer_{i}/z_loss": z[i] for i in range(n)}
         module.log_dict(per_layer, sync_dist=False, on_step=True, on_epoch=False)
+
+    def _raise_if_over_budget(self) -> None:
+        """Dispatchers with a static row budget (symmetric memory with ``max_tokens_per_rank``) left
+        out the rows past it; raise before the optimizer step takes that step's gradients."""
+        for dispatcher in self._budgets:
+            dispatcher.raise_if_over_budget()
 
     def _copy_flags_to_host(self) -> None:
         """Queue the flags' copy to the host now, so that reading them later waits for the forward

@@ -21,6 +21,14 @@ Every rank only ever writes its own buffer; remote memory is only read.
 
 Same numbers as the all-to-all dispatcher, bit for bit (``tests/gpu``). One host read per layer,
 like it: the gathered counts ``C``, which size ``M`` and the buffer.
+
+With a row budget (``MoEConfig.max_tokens_per_rank = R``) the plan is static and there is no host
+read at all: every rank's ``M`` is padded to ``R`` rows (a padding row has source ``-1``: no kernel
+reads or writes it, and the grouped GEMMs stop at the last expert's offset), the buffer is sized
+from ``R`` alone, and the host can queue layer after layer without waiting for the GPU. A layer
+whose rows exceed ``R`` on some rank leaves the excess out; ``RowBudget`` notes it on the device
+and raises at the next dispatch that finds the note on the host, and in any case before the
+optimizer step under ``ExpertParallelStrategy`` (``raise_if_over_budget``).
 """
 
 from __future__ import annotations
@@ -47,14 +55,25 @@ class PullPlan(NamedTuple):
     #: int32 ``[N]``: this rank's pairs in sorted order (flat ``t * K + k``).
     order_N: torch.Tensor
     counts_L: torch.Tensor
-    counts_host: list[int]
+    counts_host: list[int] | None
 
 
 def plan_pulls(
-    counts_DE: torch.Tensor, rank: int, num_local: int, expert_ids_TK: torch.Tensor, inverse_N: torch.Tensor, rows: int
+    counts_DE: torch.Tensor,
+    rank: int,
+    num_local: int,
+    expert_ids_TK: torch.Tensor,
+    inverse_N: torch.Tensor,
+    rows: int,
+    *,
+    padded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pull indices, from the gathered counts ``C = counts_DE`` (no host sync; ``rows`` is
     this rank's ``M``).
+
+    ``padded``: a static plan, ``rows`` being every rank's budget ``R`` rather than its ``M``. Rows
+    past the ones received get source -1 (padding), and pairs whose row on their expert's rank is
+    ``R`` or more (a rank over budget) get row -1 (left out).
 
     Returns ``src_M, pos_M`` (receiver side) and ``src_TK, row_TK`` (sender side), int32.
     """
@@ -63,11 +82,18 @@ def plan_pulls(
     start_DE = torch.cumsum(counts_DE, 1) - counts_DE  # where expert e's pairs start among rank s's sorted pairs
     # Receiver: rows in segments (local expert l, source s) of C[s, rank * L + l] rows each.
     sizes = counts_DE[:, rank * L : (rank + 1) * L].T.reshape(-1)
-    segment_M = torch.repeat_interleave(torch.arange(L * D, device=device), sizes, output_size=rows)
-    first = torch.cumsum(sizes, 0) - sizes
+    ends = torch.cumsum(sizes, 0)
+    arange_M = torch.arange(rows, device=device)
+    if padded:  # the segment of each row by binary search; rows past the last are padding
+        segment_M = torch.searchsorted(ends, arange_M, right=True).clamp_(max=L * D - 1)
+    else:
+        segment_M = torch.repeat_interleave(torch.arange(L * D, device=device), sizes, output_size=rows)
+    first = ends - sizes
     src_M = segment_M % D
     expert_M = rank * L + torch.div(segment_M, D, rounding_mode="floor")
-    pos_M = start_DE[src_M, expert_M] + torch.arange(rows, device=device) - first[segment_M]
+    pos_M = start_DE[src_M, expert_M] + arange_M - first[segment_M]
+    if padded:
+        src_M = torch.where(arange_M < ends[-1], src_M, -1)
     # Sender: expert e's rows start at block[e] on its rank; the lower ranks' pairs come first.
     total_E = counts_DE.sum(0)
     before_E = torch.cumsum(total_E, 0) - total_E
@@ -75,16 +101,97 @@ def plan_pulls(
     offset_E = block_E + counts_DE[:rank].sum(0) - start_DE[rank]
     ids_N = expert_ids_TK.reshape(-1)
     row_TK = (offset_E.index_select(0, ids_N) + inverse_N).view_as(expert_ids_TK)
+    if padded:
+        row_TK = torch.where(row_TK < rows, row_TK, -1)
     src_TK = torch.div(expert_ids_TK, L, rounding_mode="floor")
     as32 = torch.int32
     return src_M.to(as32), pos_M.to(as32), src_TK.to(as32), row_TK.to(as32)
+
+
+def sort_pairs(expert_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``order_N, counts_E, inverse_N``: this rank's pairs sorted by expert (``sort_by_expert``) and
+    where each pair lands in that order. No host sync."""
+    order_N, counts_E = sort_by_expert(expert_ids_TK, num_experts)
+    return order_N, counts_E, inverse_permutation(order_N)
+
+
+def static_plan(
+    counts_DE: torch.Tensor,
+    rank: int,
+    num_local: int,
+    expert_ids_TK: torch.Tensor,
+    order_N: torch.Tensor,
+    inverse_N: torch.Tensor,
+    budget: int,
+) -> tuple[torch.Tensor, ...]:
+    """The plan padded to ``budget`` rows (``plan_pulls(padded=True)``), the sorted pairs as int32,
+    the local experts' row counts clamped to the budget, and the rows received per rank.
+
+    Every shape follows from the inputs' and ``budget`` alone, so ``torch.compile`` fuses it
+    (``SymmetricMemoryDispatcher.compile_plan``) into a few kernels instead of some fifty.
+    """
+    D, L = counts_DE.shape[0], num_local
+    src_M, pos_M, src_TK, row_TK = plan_pulls(counts_DE, rank, L, expert_ids_TK, inverse_N, budget, padded=True)
+    received_DL = counts_DE.view(D, D, L).sum(0)  # rows arriving at each rank, per local expert
+    # The experts' blocks end within the budget's rows (only a rank over budget has more).
+    ends_L = torch.cumsum(received_DL[rank], 0).clamp(max=budget)
+    counts_L = torch.diff(ends_L, prepend=ends_L.new_zeros(1))
+    return src_M, pos_M, src_TK, row_TK, order_N.to(torch.int32), counts_L, received_DL.sum(1)
+
+
+class RowBudget:
+    """The most rows each rank's experts received in one layer since the last check, kept on the
+    device (no host sync) and compared with the budget ``R`` on the host when its copy has landed.
+
+    Every dispatch queues a copy of the running maximum into pinned host memory. The maximum only
+    grows, so whatever value the host reads is a true lower bound: ``check(wait=False)`` costs
+    nothing and raises as soon as an excess is seen; ``check(wait=True)`` waits for the last copy.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._worst_D: torch.Tensor | None = None
+        self._host_D: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def note(self, loads_D: torch.Tensor) -> None:
+        """Keep the maximum of ``loads_D`` (rows received per rank, on the device) and queue its copy."""
+        worst = loads_D if self._worst_D is None else torch.maximum(self._worst_D, loads_D)
+        self._worst_D = worst
+        if self._host_D is None:
+            self._host_D = torch.zeros(worst.shape, dtype=worst.dtype, pin_memory=worst.is_cuda)
+        self._host_D.copy_(worst, non_blocking=True)
+        if worst.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def check(self, *, wait: bool) -> None:
+        """Raise if some rank received more than ``budget`` rows in a layer (``wait``: first wait for
+        the copy of the last dispatch's maximum; otherwise read what has landed)."""
+        if self._host_D is None:
+            return
+        if wait and self._copied is not None:
+            self._copied.synchronize()
+        if int(self._host_D.max()) <= self.budget:
+            return
+        loads = self._host_D.tolist()
+        self._worst_D, self._host_D, self._copied = None, None, None
+        try:
+            _check_budget(loads, self.budget)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"{error} With symmetric_memory_dispatch=True the buffers hold max_tokens_per_rank rows, so the rows "
+                "past it were left out of that layer's output: that step's results are wrong."
+            ) from None
 
 
 class SymmetricMemoryDispatcher:
     """Dropless dispatch by pulls through symmetric memory (see the module docstring).
 
     Needs CUDA, an NCCL group whose ranks share one node with peer access between their GPUs, and
-    Triton. ``max_tokens_per_rank`` as in ``AllToAllDispatcher``.
+    Triton. ``max_tokens_per_rank``: the static, sync-free plan with that row budget ``R`` (each
+    rank's tokens must not exceed it either); ``None`` reads the counts on the host and sizes every
+    buffer to fit.
     """
 
     keeps_exchanges = False
@@ -99,10 +206,25 @@ class SymmetricMemoryDispatcher:
         self.group, self.num_experts = group, num_experts
         self.degree, self.rank, self.num_local_experts = expert_layout(num_experts, group)
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.budget = RowBudget(max_tokens_per_rank) if max_tokens_per_rank is not None else None
+        # Eager by default; ``compile_plan`` swaps in compiled versions of the same functions.
+        self._sort_pairs_fn = sort_pairs
+        self._static_plan_fn = static_plan
+
+    def compile_plan(self, **compile_kwargs: Any) -> None:
+        """Run the pair sort and the static plan's index arithmetic through ``torch.compile``
+        (``MoELayer.compile_routing`` calls this): a few fused kernels instead of some fifty small
+        ones per layer, the same integers. Only the plan with a row budget is static; without one
+        the sort alone is compiled."""
+        self._sort_pairs_fn = torch.compile(sort_pairs, **compile_kwargs)
+        self._static_plan_fn = torch.compile(static_plan, **compile_kwargs)
 
     def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:
         workspace = SymmetricWorkspace.of(self.group, x_TH.device)
-        plan, counts_E = self._plan(expert_ids_TK, x_TH.shape[1], x_TH.element_size(), workspace)
+        if self.budget is not None:
+            plan, counts_E = self._static_plan(expert_ids_TK, x_TH, workspace, self.budget)
+        else:
+            plan, counts_E = self._plan(expert_ids_TK, x_TH.shape[1], x_TH.element_size(), workspace)
         x_MH = _PullDispatch.apply(x_TH.contiguous(), plan, workspace)
         return Dispatched(x_MH, plan.counts_L, counts_E, {"plan": plan}, counts_host=plan.counts_host)
 
@@ -110,26 +232,56 @@ class SymmetricMemoryDispatcher:
         workspace = SymmetricWorkspace.of(self.group, y_MH.device)
         return _PullCombine.apply(y_MH.contiguous(), weights_TK.contiguous(), dispatched.state["plan"], workspace)
 
+    def raise_if_over_budget(self) -> None:
+        """Raise if a layer's rows exceeded ``max_tokens_per_rank`` on some rank since the last check
+        (waits for the last dispatch's copy: one host sync; nothing to check without a budget)."""
+        if self.budget is not None:
+            self.budget.check(wait=True)
+
     def _plan(
         self, expert_ids_TK: torch.Tensor, hidden: int, element_size: int, workspace: SymmetricWorkspace
     ) -> tuple[PullPlan, torch.Tensor]:
         D, L, K = self.degree, self.num_local_experts, expert_ids_TK.shape[1]
-        order_N, counts_E = sort_by_expert(expert_ids_TK, self.num_experts)
-        counts_DE = torch.empty((D, self.num_experts), dtype=counts_E.dtype, device=counts_E.device)
-        dist.all_gather_into_tensor(counts_DE, counts_E, group=self.group)
+        order_N, counts_E, inverse_N = self._sort_pairs_fn(expert_ids_TK, self.num_experts)
+        counts_DE = self._gather_counts(counts_E)
         counts_host_DE = counts_DE.cpu()  # the one host sync: every rank's counts
         loads_D = counts_host_DE.view(D, D, L).sum(dim=(0, 2))  # rows arriving at each rank
         tokens_D = torch.div(counts_host_DE.sum(1), K, rounding_mode="floor")
-        if self.max_tokens_per_rank is not None:
-            _check_budget(loads_D.tolist(), self.max_tokens_per_rank)
         rows = int(loads_D[self.rank])
         workspace.reserve(region_sizes(int(tokens_D.max()), int(loads_D.max()), K, hidden, element_size))
-        inverse_N = inverse_permutation(order_N)
         src_M, pos_M, src_TK, row_TK = plan_pulls(counts_DE, self.rank, L, expert_ids_TK, inverse_N, rows)
         mine = slice(self.rank * L, (self.rank + 1) * L)
         counts_L, counts_host = counts_DE[:, mine].sum(0), counts_host_DE[:, mine].sum(0).tolist()
         plan = PullPlan(src_M, pos_M, src_TK, row_TK, order_N.to(torch.int32), counts_L, counts_host)
         return plan, counts_E
+
+    def _static_plan(
+        self, expert_ids_TK: torch.Tensor, x_TH: torch.Tensor, workspace: SymmetricWorkspace, budget: RowBudget
+    ) -> tuple[PullPlan, torch.Tensor]:
+        """The plan padded to ``R = budget.budget`` rows on every rank: no host read."""
+        K, R = expert_ids_TK.shape[1], budget.budget
+        T, H = x_TH.shape
+        if T > R:
+            raise ValueError(
+                f"MoEConfig.max_tokens_per_rank={R} is below this rank's {T} tokens; with "
+                "symmetric_memory_dispatch=True it sizes the buffer of every rank's tokens too. Raise it (rows "
+                f"arriving at a rank's experts average tokens x top_k = {T * K} here)."
+            )
+        budget.check(wait=False)  # an earlier layer's excess, if its note has reached the host
+        order_N, counts_E, inverse_N = self._sort_pairs_fn(expert_ids_TK, self.num_experts)
+        counts_DE = self._gather_counts(counts_E)
+        workspace.reserve(region_sizes(R, R, K, H, x_TH.element_size()))  # the same sizes on every rank
+        src_M, pos_M, src_TK, row_TK, order32_N, counts_L, loads_D = self._static_plan_fn(
+            counts_DE, self.rank, self.num_local_experts, expert_ids_TK, order_N, inverse_N, R
+        )
+        budget.note(loads_D)
+        return PullPlan(src_M, pos_M, src_TK, row_TK, order32_N, counts_L, None), counts_E
+
+    def _gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """``C``: every rank's pairs per expert, ``[D, E]`` on the device."""
+        counts_DE = torch.empty((self.degree, self.num_experts), dtype=counts_E.dtype, device=counts_E.device)
+        dist.all_gather_into_tensor(counts_DE, counts_E, group=self.group)
+        return counts_DE
 
 
 class _PullDispatch(torch.autograd.Function):

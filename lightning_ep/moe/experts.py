@@ -168,12 +168,17 @@ class RoutedExperts(nn.Module):
         if grouped_ok and not self.prefers_per_expert(x_NH, counts_host, weights[i]):
             return grouped(x_NH, counts_L, weights, self.grad_scale)
         counts = list(counts_host) if counts_host is not None else counts_L.tolist()
-        if len(counts) != weights[i].shape[0] or sum(counts) != x_NH.shape[0]:
+        rows = sum(counts)
+        if len(counts) != weights[i].shape[0] or rows > x_NH.shape[0]:
             raise RuntimeError(
                 f"counts_host {counts} must give the rows of each of the {weights[i].shape[0]} local experts, "
-                f"summing to the {x_NH.shape[0]} rows passed."
+                f"summing to at most the {x_NH.shape[0]} rows passed."
             )
-        return loop(x_NH, counts, weights, self.grad_scale)
+        if rows == x_NH.shape[0]:
+            return loop(x_NH, counts, weights, self.grad_scale)
+        # A padded dispatch (symmetric memory with a row budget): the padding rows come out as zeros.
+        y_NH = loop(x_NH[:rows], counts, weights, self.grad_scale)
+        return torch.cat([y_NH, y_NH.new_zeros((x_NH.shape[0] - rows, *y_NH.shape[1:]))])
 
     def prefers_per_expert(self, x_NH: torch.Tensor, counts_host: Sequence[int] | None, w_first: torch.Tensor) -> bool:
         """Whether ``use_grouped_mm=None`` picks the per-expert GEMMs for these rows (``w_first``: the

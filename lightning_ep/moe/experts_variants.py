@@ -118,10 +118,10 @@ class InterleavedGLUExperts(RoutedExperts):
         assert GROUPED_MM is not None
         counts_L = counts_L.to(device=x_NH.device)
         offsets_L = torch.cumsum(counts_L, dim=0).to(torch.int32)
-        # The expert of every row; output_size keeps it free of a host sync.
-        expert_N = torch.repeat_interleave(
-            torch.arange(counts_L.shape[0], device=x_NH.device), counts_L, output_size=x_NH.shape[0]
-        )
+        # The expert of every row, by binary search (no host sync); rows past the last offset
+        # (a padded dispatch) take the last expert's bias: the GEMMs leave them out anyway.
+        rows_N = torch.arange(x_NH.shape[0], device=x_NH.device, dtype=offsets_L.dtype)
+        expert_N = torch.searchsorted(offsets_L, rows_N, right=True).clamp_(max=counts_L.shape[0] - 1)
         h_NF = GROUPED_MM(x_NH, w1_LHF, offs=offsets_L) + b1_LF[expert_N]
         a_NI = self.glu(h_NF).contiguous()
         return GROUPED_MM(a_NI, w2_LIH, offs=offsets_L) + b2_LH[expert_N]

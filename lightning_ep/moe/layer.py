@@ -169,9 +169,13 @@ class MoELayer(nn.Module):
     def compile_routing(self, **compile_kwargs: Any) -> None:
         """Run the router with its losses and statistics (``route``) and the output's finiteness
         check through ``torch.compile``: a few fused kernels instead of some thirty small ones per
-        layer, in forward and in backward. The rest of the layer stays eager."""
+        layer, in forward and in backward; with the symmetric-memory dispatcher its plan too
+        (``compile_plan``). The rest of the layer stays eager."""
         self._route = torch.compile(route, **compile_kwargs)
         self._all_finite = torch.compile(all_finite, **compile_kwargs)
+        compile_plan = getattr(self.dispatcher, "compile_plan", None)
+        if compile_plan is not None:  # the symmetric-memory dispatcher's index arithmetic
+            compile_plan(**compile_kwargs)
 
     def __getattr__(self, name: str) -> Any:
         # Roles resolve to the Hugging Face child names (``layer.gate`` is GPT-OSS's ``router``).

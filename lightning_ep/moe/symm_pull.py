@@ -140,7 +140,8 @@ def pull_rows(
     top_k: int,
 ) -> None:
     """``out[m] = tokens_s[order_s[pos[m]] // K]`` with ``s = src[m]``, read from rank ``s``'s
-    regions at ``tokens_at`` (rows ``[T_s, H]``) and ``order_at`` (int32: rank ``s``'s sorted pairs)."""
+    regions at ``tokens_at`` (rows ``[T_s, H]``) and ``order_at`` (int32: rank ``s``'s sorted pairs).
+    Rows with ``src[m] = -1`` (padding) are left as they are."""
     rows, hidden = out_MH.shape
     if rows and hidden:
         grid = (rows, -(-hidden // BLOCK_H))
@@ -158,7 +159,8 @@ def pull_sum(
     out_TH: torch.Tensor,
 ) -> None:
     """``out[t] = sum_k w[t, k] * rows_d[row[t, k]]`` with ``d = src[t, k]`` (``w = 1`` without
-    weights), summed in fp32 in the order of ``k`` and rounded once: the combine kernel's arithmetic."""
+    weights), summed in fp32 in the order of ``k`` and rounded once: the combine kernel's arithmetic.
+    A term with ``row[t, k] = -1`` is left out."""
     tokens, hidden = out_TH.shape
     if tokens and hidden:
         grid = (tokens, -(-hidden // BLOCK_H))
@@ -190,7 +192,8 @@ def pull_combine_backward(
     """For each local row ``m`` of pair ``p = order_s[pos[m]]`` of rank ``s = src[m]``:
     ``grad_y[m] = w_s[p] * g_s[p // K]`` and ``grad_w[m] = <g_s[p // K], y[m]>`` in fp32 (the fused
     combine's products and sums). ``g`` (``[T_s, H]``), ``order`` and ``w`` (fp32) are read from
-    rank ``s``'s regions ``at["tokens"]``, ``at["order"]``, ``at["weights"]``."""
+    rank ``s``'s regions ``at["tokens"]``, ``at["order"]``, ``at["weights"]``. Padding rows
+    (``src[m] = -1``) are left as they are."""
     rows, hidden = y_MH.shape
     if rows:
         _triton().pull_combine_backward[(rows,)](
@@ -223,12 +226,15 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         BLOCK_H: tl.constexpr,
     ):
         # One program per (row, block of H). Rank s's region at byte offset o: bases[s] + o.
+        # A row with source -1 is padding (a static plan): nothing is read or written.
         m = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = offs < H
-        base = tl.load(bases_ptr + tl.load(src_ptr + m))
+        src = tl.load(src_ptr + m)
+        live = src >= 0
+        mask = (offs < H) & live
+        base = tl.load(bases_ptr + tl.maximum(src, 0))
         order = (base + order_at).to(tl.pointer_type(tl.int32))
-        pair = tl.load(order + tl.load(pos_ptr + m)).to(tl.int64)
+        pair = tl.load(order + tl.load(pos_ptr + m), mask=live, other=0).to(tl.int64)
         tokens = (base + tokens_at).to(tl.pointer_type(out_ptr.dtype.element_ty))
         x = tl.load(tokens + (pair // K) * H + offs, mask=mask)
         tl.store(out_ptr + m * H + offs, x, mask=mask)
@@ -246,7 +252,8 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         BLOCK_H: tl.constexpr,
         WEIGHTED: tl.constexpr,
     ):
-        # One program per (token, block of H); the same sum as combine_forward.
+        # One program per (token, block of H); the same sum as combine_forward. A row of -1 (a pair
+        # past a static plan's budget) adds nothing.
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = offs < H
@@ -255,7 +262,7 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
             d = tl.load(src_ptr + t * K + k)
             row = tl.load(row_ptr + t * K + k).to(tl.int64)
             rows = (tl.load(bases_ptr + d) + rows_at).to(tl.pointer_type(out_ptr.dtype.element_ty))
-            y = tl.load(rows + row * H + offs, mask=mask, other=0.0)
+            y = tl.load(rows + row * H + offs, mask=mask & (row >= 0), other=0.0)
             if WEIGHTED:
                 acc += tl.load(w_ptr + t * K + k).to(tl.float32) * y.to(tl.float32)
             else:
@@ -277,21 +284,25 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         K: tl.constexpr,
         BLOCK_H: tl.constexpr,
     ):
-        # One program per local row; the same products and sums as combine_backward.
+        # One program per local row; the same products and sums as combine_backward. A padding
+        # row (source -1) reads and writes nothing.
         m = tl.program_id(0).to(tl.int64)
-        base = tl.load(bases_ptr + tl.load(src_ptr + m))
-        pair = tl.load((base + order_at).to(tl.pointer_type(tl.int32)) + tl.load(pos_ptr + m)).to(tl.int64)
-        w = tl.load((base + weights_at).to(tl.pointer_type(tl.float32)) + pair)
+        src = tl.load(src_ptr + m)
+        live = src >= 0
+        base = tl.load(bases_ptr + tl.maximum(src, 0))
+        pos = tl.load(pos_ptr + m)
+        pair = tl.load((base + order_at).to(tl.pointer_type(tl.int32)) + pos, mask=live, other=0).to(tl.int64)
+        w = tl.load((base + weights_at).to(tl.pointer_type(tl.float32)) + pair, mask=live, other=0.0)
         g_row = (base + tokens_at).to(tl.pointer_type(gy_ptr.dtype.element_ty)) + (pair // K) * H
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             offs = h0 + tl.arange(0, BLOCK_H)
-            mask = offs < H
+            mask = (offs < H) & live
             g = tl.load(g_row + offs, mask=mask, other=0.0).to(tl.float32)
             y = tl.load(y_ptr + m * H + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(gy_ptr + m * H + offs, (w * g).to(gy_ptr.dtype.element_ty), mask=mask)
             acc += g * y
-        tl.store(gw_ptr + m, tl.sum(acc, axis=0))
+        tl.store(gw_ptr + m, tl.sum(acc, axis=0), mask=live)
 
     class Kernels:
         pull_rows = pull_rows_kernel

@@ -37,6 +37,13 @@ def _ids(tokens: int, top_k: int, rank: int, skew: bool) -> torch.Tensor:
     return torch.topk(scores, top_k, dim=-1).indices
 
 
+def _row_scales(scale_L: torch.Tensor, counts_L: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row's expert's scale; rows past the counts (a padded plan) take the last expert's."""
+    ends_L = torch.cumsum(counts_L, 0)
+    expert_M = torch.searchsorted(ends_L, torch.arange(rows, device=ends_L.device), right=True)
+    return scale_L[expert_M.clamp_(max=scale_L.shape[0] - 1)]
+
+
 def _run(dispatcher, x_TH, ids_TK, weights_TK, scale_E, upstream_TH) -> list[torch.Tensor]:
     """Dispatch, a per-expert nonlinear map (each expert its own scale), combine, backward.
 
@@ -48,8 +55,7 @@ def _run(dispatcher, x_TH, ids_TK, weights_TK, scale_E, upstream_TH) -> list[tor
     x_MH = dispatched.x_MH
     L = dispatcher.num_local_experts
     local = scale_E[dist.get_rank() * L : (dist.get_rank() + 1) * L]
-    scale_M = torch.repeat_interleave(local, dispatched.counts_L, output_size=x_MH.shape[0])
-    y_MH = torch.tanh(x_MH) * scale_M[:, None].to(x_MH.dtype)
+    y_MH = torch.tanh(x_MH) * _row_scales(local, dispatched.counts_L, x_MH.shape[0])[:, None].to(x_MH.dtype)
     y_MH.retain_grad()
     out_TH = dispatcher.combine(y_MH, weights_TK, dispatched)
     (out_TH.float() * upstream_TH).sum().backward()
@@ -67,7 +73,7 @@ def _run_chain(dispatcher, x_TH, ids_list, weights_list, scale_E, upstream_TH) -
     for ids_TK, weights_TK in zip(ids_list, weights, strict=True):
         dispatched = dispatcher.dispatch(h_TH, ids_TK)
         x_MH = dispatched.x_MH
-        scale_M = torch.repeat_interleave(local, dispatched.counts_L, output_size=x_MH.shape[0])
+        scale_M = _row_scales(local, dispatched.counts_L, x_MH.shape[0])
         h_TH = h_TH + dispatcher.combine(torch.tanh(x_MH) * scale_M[:, None].to(x_MH.dtype), weights_TK, dispatched)
         outs.append(h_TH.detach())
     (h_TH.float() * upstream_TH).sum().backward()
@@ -134,3 +140,141 @@ def run_symm_matches_all_to_all(rank: int, world: int) -> None:
         got = _run_chain(symm, x_TH, ids_list, weights_list, scale_E, upstream_TH)
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(a, b), ("chain", i, rank, (a.float() - b.float()).abs().max())
+
+
+def run_static_plan_matches_all_to_all(rank: int, world: int) -> None:
+    """With ``max_tokens_per_rank`` the symmetric-memory plan is static: the received rows (the
+    first ``M`` of the ``R`` padded ones), outputs and every gradient equal the all-to-all
+    dispatcher's bit for bit, with no host sync at all; a layer over budget raises (before the next
+    dispatch and at ``raise_if_over_budget``), and tokens over budget are refused up front."""
+    from lightning_ep.moe.dispatch_ep import AllToAllDispatcher
+    from lightning_ep.moe.dispatch_symm import SymmetricMemoryDispatcher
+
+    group = dist.group.WORLD
+    a2a = AllToAllDispatcher(NUM_EXPERTS, group)
+    budget = 4096
+    static = make_dispatcher(MoEConfig(symmetric_memory_dispatch=True, max_tokens_per_rank=budget), NUM_EXPERTS, group)
+    assert isinstance(static, SymmetricMemoryDispatcher) and static.budget is not None
+    scale_E = torch.linspace(0.5, 2.0, NUM_EXPERTS, device="cuda")
+    cases = [  # (name, dtype, tokens on rank 0 / rank 1, hidden, top_k, skew)
+        ("uniform", torch.float32, (48, 48), 128, 4, False),
+        ("uneven", torch.bfloat16, (70, 33), 1100, 2, False),
+        ("one rank idle", torch.bfloat16, (40, 24), 64, 3, True),
+        ("large", torch.bfloat16, (1024, 1500), 1024, 2, False),
+        ("no tokens here", torch.float32, (0, 20), 256, 2, False),
+    ]
+    for name, dtype, tokens, hidden, top_k, skew in cases:
+        T = tokens[rank]
+        g = torch.Generator(device="cuda").manual_seed(rank)
+        x_TH = torch.randn(T, hidden, generator=g, device="cuda").to(dtype)
+        ids_TK = _ids(T, top_k, rank, skew)
+        weights_TK = torch.rand(T, top_k, generator=g, device="cuda")
+        upstream_TH = torch.randn(T, hidden, generator=g, device="cuda")
+        want = _run(a2a, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
+        got = _run(static, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
+        M = want[0].shape[0]
+        assert got[0].shape == (budget, hidden), (name, got[0].shape)
+        got[0], got[4] = got[0][:M], got[4][:M]  # the rows received; the rest is padding
+        labels = ["x_MH", "out", "grad x", "grad weights", "grad y_MH", "counts_L"]
+        for label, a, b in zip(labels, got, want, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape, (name, label, a.shape, b.shape)
+            assert torch.equal(a, b), (name, label, rank, (a.float() - b.float()).abs().max())
+        syncs = count_syncs(lambda: _run(static, x_TH, ids_TK, weights_TK, scale_E, upstream_TH))  # noqa: B023
+        assert syncs == 0, (name, syncs)
+        static.raise_if_over_budget()  # within budget: nothing to raise
+
+    # The plan through torch.compile (MoELayer.compile_routing does this): the same bits, no sync.
+    static.compile_plan()
+    name, dtype, tokens, hidden, top_k, skew = cases[1]
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x_TH = torch.randn(tokens[rank], hidden, generator=g, device="cuda").to(dtype)
+    ids_TK = _ids(tokens[rank], top_k, rank, skew)
+    weights_TK = torch.rand(tokens[rank], top_k, generator=g, device="cuda")
+    upstream_TH = torch.randn(tokens[rank], hidden, generator=g, device="cuda")
+    want = _run(a2a, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
+    got = _run(static, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
+    M = want[0].shape[0]
+    got[0], got[4] = got[0][:M], got[4][:M]
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), ("compiled plan", i, rank)
+    assert count_syncs(lambda: _run(static, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)) == 0
+
+    # Four chained layers, forward then backward, against the all-to-all dispatcher.
+    T, hidden = 512, 256
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x_TH = torch.randn(T, hidden, generator=g, device="cuda").to(torch.bfloat16)
+    ids_list = [_ids(T, 2, rank, True), _ids(T, 1, rank + 7, False), _ids(T, 4, rank + 3, False)]
+    weights_list = [torch.rand(T, ids.shape[1], generator=g, device="cuda") for ids in ids_list]
+    upstream_TH = torch.randn(T, hidden, generator=g, device="cuda")
+    want = _run_chain(a2a, x_TH, ids_list, weights_list, scale_E, upstream_TH)
+    got = _run_chain(static, x_TH, ids_list, weights_list, scale_E, upstream_TH)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), ("chain", i, rank, (a.float() - b.float()).abs().max())
+
+    # Over budget: skewed routing sends rank 0 all 2 x 300 x 2 = 1200 rows, over a budget of 1000.
+    tight = make_dispatcher(MoEConfig(symmetric_memory_dispatch=True, max_tokens_per_rank=1000), NUM_EXPERTS, group)
+    T, hidden = 300, 128
+    x_TH = torch.randn(T, hidden, generator=g, device="cuda").to(torch.bfloat16)
+    ids_TK, weights_TK = _ids(T, 2, rank, True), torch.rand(T, 2, generator=g, device="cuda")
+    upstream_TH = torch.randn(T, hidden, generator=g, device="cuda")
+    over = (
+        "sent 1200 rows to the experts of expert-parallel rank 0 in one layer, over MoEConfig.max_tokens_per_rank=1000"
+    )
+    out = _run(tight, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)[1]
+    assert torch.isfinite(out).all()  # the excess is left out, nothing is read out of bounds
+    try:
+        tight.raise_if_over_budget()
+    except RuntimeError as error:
+        assert over in str(error) and "left out of that layer's output" in str(error), error
+    else:
+        raise AssertionError("raise_if_over_budget let 1200 rows pass a budget of 1000")
+    _run(tight, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
+    torch.cuda.synchronize()  # the note has landed on both ranks: the next dispatch raises on both
+    try:
+        tight.dispatch(x_TH, ids_TK)
+    except RuntimeError as error:
+        assert over in str(error), error
+    else:
+        raise AssertionError("the next dispatch did not report the excess")
+    # Tokens past the budget are refused before any work.
+    try:
+        tight.dispatch(torch.zeros(1001, hidden, device="cuda"), torch.zeros(1001, 2, dtype=torch.long, device="cuda"))
+    except ValueError as error:
+        assert "MoEConfig.max_tokens_per_rank=1000 is below this rank's 1001 tokens" in str(error), error
+    else:
+        raise AssertionError("1001 tokens passed a budget of 1000")
+
+
+def run_step_checks_stop_an_over_budget_step(rank: int, world: int) -> None:
+    """Under ``ExpertParallelStrategy`` the budget is checked before the optimizer step
+    (``StepChecks``): a model whose routing sends one rank more rows than ``max_tokens_per_rank``
+    raises there, on every rank, with no optimizer step taken; within budget nothing is raised."""
+    from lightning.pytorch import LightningModule
+    from workers import BATCH, SEQ, _skew_router, micro_batch, tiny_mixtral
+
+    import lightning_ep
+    from lightning_ep.step_checks import StepChecks
+
+    device = torch.device("cuda", rank)
+    mesh = lightning_ep.init_mesh(world, device_type="cuda")
+    tokens = BATCH * SEQ
+    for budget, skew in ((4 * tokens, False), (3 * tokens, True)):  # skewed: rank 0 receives 2 x 2 x tokens rows
+        model = tiny_mixtral().to(device=device, dtype=torch.bfloat16)
+        config = MoEConfig(moe_load_balancing="none", symmetric_memory_dispatch=True, max_tokens_per_rank=budget)
+        lightning_ep.transform(model, config, mesh=mesh)
+        lightning_ep.shard_model(model, mesh)
+        if skew:
+            _skew_router(model)
+        layers = lightning_ep.moe_layers(model)
+        checks = StepChecks(check_finite=False, log_losses=False)
+        ids = micro_batch(0, rank).to(device)
+        model(input_ids=ids, labels=ids).loss.backward()
+        checks.after_forward(layers, LightningModule(), device)
+        try:
+            checks.before_optimizer_step(None)
+        except RuntimeError as error:
+            assert skew, error
+            assert f"sent {4 * tokens} rows to the experts of expert-parallel rank 0" in str(error), error
+            assert f"max_tokens_per_rank={budget}" in str(error), error
+        else:
+            assert not skew, "an over-budget step reached the optimizer step"

@@ -33,6 +33,7 @@ FP32 = [
     Case(degree=2, device="cuda", dedup=True),
     Case(degree=2, device="cuda", symm=True),
     Case(degree=2, device="cuda", symm=True, skew=True, mode="aux_loss"),
+    Case(degree=2, device="cuda", symm=True, budget=1000, skew=True),
 ]
 BF16 = [
     Case(degree=2, device="cuda", dtype="bfloat16", rtol=2e-2),
@@ -40,6 +41,7 @@ BF16 = [
     # One step: in bf16 a second step flips top-4 choices, deduplicated or not.
     Case(degree=2, device="cuda", dtype="bfloat16", rtol=2e-2, top_k=4, dedup=True, steps=1),
     Case(degree=2, device="cuda", dtype="bfloat16", rtol=2e-2, symm=True),
+    Case(degree=2, device="cuda", dtype="bfloat16", rtol=2e-2, symm=True, budget=1000),
 ]
 
 

@@ -15,7 +15,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
 from harness import spawn
-from symm_workers import run_symm_matches_all_to_all
+from symm_workers import (
+    run_static_plan_matches_all_to_all,
+    run_step_checks_stop_an_over_budget_step,
+    run_symm_matches_all_to_all,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,3 +29,11 @@ pytestmark = [
 
 def test_symmetric_memory_dispatch_equals_all_to_all() -> None:
     spawn(run_symm_matches_all_to_all, 2, backend="nccl")
+
+
+def test_static_plan_with_a_row_budget_is_sync_free_and_exact() -> None:
+    spawn(run_static_plan_matches_all_to_all, 2, backend="nccl")
+
+
+def test_step_checks_stop_a_step_over_the_row_budget() -> None:
+    spawn(run_step_checks_stop_an_over_budget_step, 2, backend="nccl")

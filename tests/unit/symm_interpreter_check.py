@@ -4,7 +4,8 @@ the three symmetric-memory pull kernels (``lightning_ep.moe.symm_pull``) against
 The ranks of a group are emulated in one process: each has a plain CPU buffer laid out like a
 ``SymmetricWorkspace`` (same regions, same offsets), and the kernels get the buffers' addresses as
 the pointer table, exactly as they get the mapped peer buffers on CUDA. Three ranks, a hidden size
-of two kernel blocks with a masked tail, a rank without tokens, an expert nobody picks.
+of two kernel blocks with a masked tail, a rank without tokens, an expert nobody picks; then a
+static plan padded to a row budget below the busiest rank's rows.
 """
 
 import types
@@ -114,4 +115,56 @@ for s, rank in enumerate(ranks):
         for d, i in zip(src_TK.reshape(-1).tolist(), row_TK.reshape(-1).tolist(), strict=True)
     ]
     assert torch.equal(out.view(-1), torch.stack(want) if want else out.view(-1)), s
+
+# A static plan with budget B below the busiest rank's rows: padding rows (source -1) are neither
+# read nor written (they stay NaN), the kept rows are the exact plan's first B, and the pairs past
+# the budget (row -1) add nothing. Every region a kernel must not read holds NaN.
+B = max(rows) - 2
+assert min(rows) < B
+padded = [
+    plan_pulls(counts_DE, r, L, rank["ids"], inverse_permutation(rank["order"]), B, padded=True)
+    for r, rank in enumerate(ranks)
+]
+for r, rank in enumerate(ranks):
+    region(r, "tokens", rank["x"].numel(), torch.float32).copy_(rank["x"].reshape(-1))
+    region(r, "order", rank["order"].numel(), torch.int32).copy_(rank["order"].to(torch.int32))
+for r in range(D):
+    src_M, pos_M = padded[r][:2]
+    live = src_M >= 0
+    assert int(live.sum()) == min(rows[r], B)
+    out = torch.full((B, H), float("nan"))
+    symm_pull.pull_rows(ws, at["tokens"], at["order"], src_M, pos_M, out, K)
+    assert torch.equal(out[live], x_M[r][:B][live[: rows[r]]] if rows[r] else out[live]), r
+    assert torch.isnan(out[~live]).all(), r
+    y_pad = torch.full((B, H), float("nan"))
+    y_pad[live] = y_M[r][: int(live.sum())]
+    region(r, "rows", B * H, torch.float32).copy_(y_pad.reshape(-1))
+for s, rank in enumerate(ranks):
+    src_TK, row_TK = padded[s][2:]
+    out = torch.full((tokens[s], H), float("nan"))
+    symm_pull.pull_sum(ws, at["rows"], src_TK, row_TK, rank["w"], out)
+    want = torch.zeros(tokens[s], H)
+    for t in range(tokens[s]):
+        for k in range(K):
+            d, i = int(src_TK[t, k]), int(row_TK[t, k])
+            if i >= 0:
+                want[t] += rank["w"][t, k] * y_M[d][i]
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+for r, rank in enumerate(ranks):
+    region(r, "tokens", rank["g"].numel(), torch.float32).copy_(rank["g"].reshape(-1))
+    region(r, "weights", rank["w"].numel(), torch.float32).copy_(rank["w"].reshape(-1))
+for r in range(D):
+    src_M, pos_M = padded[r][:2]
+    live = src_M >= 0
+    y_pad = torch.full((B, H), float("nan"))
+    y_pad[live] = y_M[r][: int(live.sum())]
+    grad_y = torch.full((B, H), float("nan"))
+    grad_w = region(r, "grad_w", B, torch.float32)
+    grad_w.fill_(float("nan"))
+    symm_pull.pull_combine_backward(ws, at, src_M, pos_M, y_pad, grad_y, grad_w, K)
+    assert torch.isnan(grad_y[~live]).all() and torch.isnan(grad_w[~live]).all(), r
+    for m, (s, p) in enumerate(pair_of(src_M[live], pos_M[live])):
+        g_row = ranks[s]["g"][p // K]
+        torch.testing.assert_close(grad_y[m], ranks[s]["w"].reshape(-1)[p] * g_row, rtol=0, atol=0)
+        torch.testing.assert_close(grad_w[m], (g_row * y_M[r][m]).sum(), rtol=1e-5, atol=1e-5)
 print("ok")

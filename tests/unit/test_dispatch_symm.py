@@ -13,7 +13,7 @@ import torch
 
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.dispatch import inverse_permutation, sort_by_expert
-from lightning_ep.moe.dispatch_symm import plan_pulls
+from lightning_ep.moe.dispatch_symm import RowBudget, plan_pulls, sort_pairs, static_plan
 from lightning_ep.moe.symm_pull import REGIONS, region_sizes
 
 
@@ -109,6 +109,102 @@ def test_pulls_and_rows_are_inverse_maps() -> None:
             assert int(plans[s][3].reshape(-1)[pair]) == m
             seen.add((s, pair))
     assert len(seen) == sum(tokens) * top_k
+
+
+def _plans(ranks: list[dict], counts_DE: torch.Tensor, L: int, budget: int | None) -> list[tuple]:
+    D = counts_DE.shape[0]
+    plans = []
+    for r in range(D):
+        rows = int(counts_DE[:, r * L : (r + 1) * L].sum()) if budget is None else budget
+        plans.append(plan_pulls(counts_DE, r, L, ranks[r]["ids"], ranks[r]["inverse"], rows, padded=budget is not None))
+    return plans
+
+
+@pytest.mark.parametrize("slack", [0, 7])
+def test_padded_plan_is_the_exact_plan_plus_padding(slack: int) -> None:
+    """With a budget at or above every rank's rows, the static plan holds the exact plan's indices,
+    then padding rows of source -1; the senders' rows are the same."""
+    tokens, num_experts, top_k = [13, 4, 9], 6, 2
+    L = num_experts // len(tokens)
+    ranks = _ranks(tokens, num_experts, top_k, seed=11)
+    counts_DE = torch.stack([r["counts"] for r in ranks])
+    exact = _plans(ranks, counts_DE, L, None)
+    budget = max(p[0].numel() for p in exact) + slack
+    padded = _plans(ranks, counts_DE, L, budget)
+    for (src, pos, src_TK, row_TK), (psrc, ppos, psrc_TK, prow_TK) in zip(exact, padded, strict=True):
+        M = src.numel()
+        assert psrc.shape == ppos.shape == (budget,)
+        assert torch.equal(psrc[:M], src) and torch.equal(ppos[:M], pos)
+        assert torch.all(psrc[M:] == -1)
+        assert torch.equal(psrc_TK, src_TK) and torch.equal(prow_TK, row_TK)
+        assert psrc.dtype == ppos.dtype == prow_TK.dtype == torch.int32
+
+
+def test_padded_plan_over_budget_leaves_out_the_same_pairs_on_both_sides() -> None:
+    """A rank whose experts receive more rows than the budget keeps its first ``budget`` rows; the
+    senders mark exactly the pairs past it (row -1), so no pull reads a row that was not kept."""
+    tokens, num_experts, top_k = [16, 16], 4, 2
+    D, L = len(tokens), num_experts // len(tokens)
+    ranks = _ranks(tokens, num_experts, top_k, seed=5)
+    for r in ranks:  # every pair of token 0..11 to rank 0's experts (0 and 1): rank 0 gets more rows
+        r["ids"][:12] = torch.tensor([0, 1])
+        r["order"], r["counts"] = sort_by_expert(r["ids"], num_experts)
+        r["inverse"] = inverse_permutation(r["order"])
+    counts_DE = torch.stack([r["counts"] for r in ranks])
+    exact = _plans(ranks, counts_DE, L, None)
+    budget = 40
+    assert exact[0][0].numel() > budget >= exact[1][0].numel()
+    padded = _plans(ranks, counts_DE, L, budget)
+    assert torch.equal(padded[0][0], exact[0][0][:budget]) and torch.equal(padded[0][1], exact[0][1][:budget])
+    for s in range(D):
+        src_TK, row_TK = exact[s][2], exact[s][3]
+        kept = row_TK < budget
+        assert torch.equal(padded[s][3], torch.where(kept, row_TK, -1))
+        assert torch.equal(padded[s][2], src_TK)
+    dropped = sum(int((p[3] == -1).sum()) for p in padded)
+    assert dropped == exact[0][0].numel() - budget
+
+
+def test_static_plan_compiled_gives_the_same_integers() -> None:
+    """``compile_plan`` swaps in ``torch.compile`` of the pair sort and the static plan; on emulated
+    ranks (one over budget, one padded) the compiled functions return exactly the eager integers."""
+    tokens, num_experts, top_k, budget = [24, 24], 8, 2, 40
+    L = num_experts // len(tokens)
+    ranks = _ranks(tokens, num_experts, top_k, seed=3)
+    ranks[0]["ids"][:16] = torch.tensor([0, 1])  # rank 0's experts get more than the budget
+    compiled_sort, compiled_plan = torch.compile(sort_pairs), torch.compile(static_plan)
+    sorted_eager = [sort_pairs(r["ids"], num_experts) for r in ranks]
+    sorted_compiled = [compiled_sort(r["ids"], num_experts) for r in ranks]
+    for eager, compiled in zip(sorted_eager, sorted_compiled, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+    counts_DE = torch.stack([counts for _, counts, _ in sorted_eager])
+    for r, (order, _, inverse) in enumerate(sorted_eager):
+        eager = static_plan(counts_DE, r, L, ranks[r]["ids"], order, inverse, budget)
+        compiled = compiled_plan(counts_DE, r, L, ranks[r]["ids"], order, inverse, budget)
+        for i, (a, b) in enumerate(zip(eager, compiled, strict=True)):
+            assert a.dtype == b.dtype and torch.equal(a, b), (r, i)
+        loads = eager[-1]
+        assert int(eager[5].sum()) == min(int(loads[r]), budget)
+    assert int(loads.max()) > budget  # the over-budget case ran
+
+
+def test_row_budget_raises_once_an_excess_is_seen() -> None:
+    """``RowBudget`` keeps the running maximum of the rows per rank; at or under the budget nothing
+    happens, over it the error names the rank, the loads and the consequence, then starts afresh."""
+    budget = RowBudget(10)
+    budget.check(wait=True)  # nothing noted yet
+    budget.note(torch.tensor([4, 10]))
+    budget.check(wait=False)
+    budget.note(torch.tensor([12, 3]))
+    pattern = (
+        r"sent 12 rows to the experts of expert-parallel rank 0 in one layer, over MoEConfig.max_tokens_per_rank=10 "
+        r"\(loads per rank: \[12, 10\]\).*the rows past it were left out of that layer's output"
+    )
+    with pytest.raises(RuntimeError, match=pattern):
+        budget.check(wait=False)
+    budget.check(wait=True)  # reset: the excess is reported once
+    budget.note(torch.tensor([1, 2]))
+    budget.check(wait=True)
 
 
 def test_region_sizes() -> None:

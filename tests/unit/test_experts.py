@@ -302,6 +302,27 @@ def test_counts_host_must_describe_the_rows():
         _experts(w1, w2, False)(x, torch.tensor(COUNTS), wrong)
 
 
+@pytest.mark.parametrize("grouped", [None, False])
+def test_padding_rows_past_the_counts_are_left_out(grouped):
+    """Rows past the counts' sum (a symmetric-memory dispatch padded to its row budget) never reach
+    the outputs of the real rows or the weights' gradients, whatever they hold: the grouped GEMMs
+    stop at the last offset, the per-expert loop gives them zero rows."""
+    w1, w2 = _weights()
+    n, pad = sum(COUNTS), 6
+    x = torch.randn(n, H, generator=torch.Generator().manual_seed(3))
+    upstream = torch.randn(n + pad, H, generator=torch.Generator().manual_seed(4))
+    want = _run(_experts(w1, w2, grouped), x, COUNTS, upstream[:n])
+    x_padded = torch.cat([x, torch.full((pad, H), float("nan"))])
+    got = _run(_experts(w1, w2, grouped), x_padded, COUNTS, upstream)
+    assert got[0].shape == (n + pad, H)
+    assert torch.equal(got[0][:n], want[0])
+    for name, a, b in zip(("gate_up_proj.grad", "down_proj.grad"), got[2:], want[2:], strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(got[1][:n], want[1])
+    if grouped is False:
+        assert torch.equal(got[0][n:], torch.zeros(pad, H))
+
+
 def test_host_counts_keep_the_grouped_gemm_off_cuda():
     # The per-expert choice is measured on CUDA only: on the CPU, host counts change nothing.
     w1, w2 = _weights()
