@@ -291,8 +291,8 @@ class _PullDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_TH: torch.Tensor, plan: PullPlan, ws: SymmetricWorkspace) -> torch.Tensor:
         T, H = x_TH.shape
-        ws.region(ws.at["tokens"], (T, H), x_TH.dtype).copy_(x_TH)
-        ws.region(ws.at["order"], (plan.order_N.numel(),), torch.int32).copy_(plan.order_N)
+        ws.region("tokens", (T, H), x_TH.dtype).copy_(x_TH)
+        ws.region("order", (plan.order_N.numel(),), torch.int32).copy_(plan.order_N)
         ws.barrier()
         x_MH = x_TH.new_empty((plan.src_M.numel(), H))
         pull_rows(ws, ws.at["tokens"], ws.at["order"], plan.src_M, plan.pos_M, x_MH, plan.src_TK.shape[1])
@@ -303,7 +303,7 @@ class _PullDispatch(torch.autograd.Function):
     def backward(ctx: Any, grad_MH: torch.Tensor) -> tuple[Any, ...]:
         plan, ws = ctx.plan, ctx.ws
         grad_MH = grad_MH.contiguous()
-        ws.region(ws.at["rows"], tuple(grad_MH.shape), grad_MH.dtype).copy_(grad_MH)
+        ws.region("rows", tuple(grad_MH.shape), grad_MH.dtype).copy_(grad_MH)
         ws.barrier()
         grad_TH = grad_MH.new_empty((ctx.tokens, grad_MH.shape[1]))
         pull_sum(ws, ws.at["rows"], plan.src_TK, plan.row_TK, None, grad_TH)
@@ -318,7 +318,7 @@ class _PullCombine(torch.autograd.Function):
     def forward(
         ctx: Any, y_MH: torch.Tensor, weights_TK: torch.Tensor, plan: PullPlan, ws: SymmetricWorkspace
     ) -> torch.Tensor:
-        ws.region(ws.at["rows"], tuple(y_MH.shape), y_MH.dtype).copy_(y_MH)
+        ws.region("rows", tuple(y_MH.shape), y_MH.dtype).copy_(y_MH)
         ws.barrier()
         out_TH = y_MH.new_empty((weights_TK.shape[0], y_MH.shape[1]))
         pull_sum(ws, ws.at["rows"], plan.src_TK, plan.row_TK, weights_TK, out_TH)
@@ -331,12 +331,12 @@ class _PullCombine(torch.autograd.Function):
         y_MH, weights_TK = ctx.saved_tensors
         plan, ws = ctx.plan, ctx.ws
         N = weights_TK.numel()
-        ws.region(ws.at["tokens"], tuple(grad_TH.shape), y_MH.dtype).copy_(grad_TH)
-        ws.region(ws.at["order"], (N,), torch.int32).copy_(plan.order_N)
-        ws.region(ws.at["weights"], (N,), torch.float32).copy_(weights_TK.reshape(-1))
+        ws.region("tokens", tuple(grad_TH.shape), y_MH.dtype).copy_(grad_TH)
+        ws.region("order", (N,), torch.int32).copy_(plan.order_N)
+        ws.region("weights", (N,), torch.float32).copy_(weights_TK.reshape(-1))
         ws.barrier()
         grad_y_MH = torch.empty_like(y_MH)
-        grad_w_M = ws.region(ws.at["grad_w"], (y_MH.shape[0],), torch.float32)
+        grad_w_M = ws.region("grad_w", (y_MH.shape[0],), torch.float32)
         pull_combine_backward(ws, ws.at, plan.src_M, plan.pos_M, y_MH, grad_y_MH, grad_w_M, weights_TK.shape[1])
         ws.barrier()
         # Each pair's weight gradient, pulled from its expert's rank: a pull of one fp32 per pair.

@@ -46,6 +46,17 @@ def align(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+def offsets(sizes: dict[str, int]) -> dict[str, int]:
+    """Where each region starts in a buffer laid out as ``REGIONS`` with ``sizes`` bytes each (one
+    after the other, in that order), and the ``"total"`` bytes (at least one alignment unit)."""
+    at, offset = {}, 0
+    for name in REGIONS:
+        at[name] = offset
+        offset += sizes[name]
+    at["total"] = max(offset, _ALIGN)
+    return at
+
+
 def region_sizes(tokens: int, rows: int, top_k: int, hidden: int, element_size: int) -> dict[str, int]:
     """Bytes each region needs for ``tokens`` per rank and ``rows`` received."""
     pairs = tokens * top_k
@@ -98,11 +109,8 @@ class SymmetricWorkspace:
         if self.handle is not None:
             self.handle.barrier(channel=0)  # every rank is done reading the old buffer
         self.sizes = {name: max(self.sizes[name], align(int(sizes[name] * _GROWTH))) for name in REGIONS}
-        offset = 0
-        for name in REGIONS:
-            self.at[name] = offset
-            offset += self.sizes[name]
-        self.at["total"] = size = max(offset, _ALIGN)
+        self.at = offsets(self.sizes)
+        size = self.at["total"]
         buffer = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         try:
             handle = symm_mem.rendezvous(buffer, self.group)
@@ -117,13 +125,21 @@ class SymmetricWorkspace:
         self.bases = torch.tensor(pointers, dtype=torch.int64, device=self.device)
         self.buffer, self.handle = buffer, handle
 
-    def region(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """This rank's own bytes ``offset ..`` of the buffer as a ``shape`` tensor of ``dtype``."""
-        assert self.buffer is not None
+    def region(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """This rank's own region ``name`` (from its first byte) as a ``shape`` tensor of ``dtype``;
+        an error if it does not fit, rather than a write into the next region."""
         numel = 1
         for n in shape:
             numel *= n
-        return self.buffer[offset : offset + numel * dtype.itemsize].view(dtype).view(shape)
+        nbytes = numel * dtype.itemsize
+        if self.buffer is None or nbytes > self.sizes[name]:
+            raise RuntimeError(
+                f"the symmetric-memory workspace's region {name!r} holds {self.sizes[name]} bytes, but a {list(shape)} "
+                f"{dtype} tensor needs {nbytes}: an exchange larger than the dispatch sized the buffer for (its rows "
+                "wider, or of a wider dtype, than the tokens it dispatched). Please report it; "
+                "symmetric_memory_dispatch=False avoids it."
+            )
+        return self.buffer[self.at[name] : self.at[name] + nbytes].view(dtype).view(shape)
 
     def barrier(self) -> None:
         """Every rank's writes so far are visible to every rank after this (stream-ordered)."""

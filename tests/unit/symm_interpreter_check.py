@@ -42,10 +42,8 @@ rows = [int(counts_DE[:, r * L : (r + 1) * L].sum()) for r in range(D)]
 for r, rank in enumerate(ranks):
     rank["plan"] = plan_pulls(counts_DE, r, L, rank["ids"], inverse_permutation(rank["order"]), rows[r])
 sizes = symm_pull.region_sizes(max(tokens), max(rows), K, H, 4)
-at, total = {}, 0
-for name in symm_pull.REGIONS:
-    at[name], total = total, total + symm_pull.align(sizes[name])
-buffers = [torch.zeros(total, dtype=torch.uint8) for _ in range(D)]
+at = symm_pull.offsets({name: symm_pull.align(n) for name, n in sizes.items()})
+buffers = [torch.zeros(at["total"], dtype=torch.uint8) for _ in range(D)]
 ws = types.SimpleNamespace(bases=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64))
 
 

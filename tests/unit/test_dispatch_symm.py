@@ -14,7 +14,7 @@ import torch
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.dispatch import inverse_permutation, sort_by_expert
 from lightning_ep.moe.dispatch_symm import RowBudget, plan_pulls, sort_pairs, static_plan
-from lightning_ep.moe.symm_pull import REGIONS, region_sizes
+from lightning_ep.moe.symm_pull import REGIONS, SymmetricWorkspace, align, offsets, region_sizes
 
 
 def _ranks(tokens: list[int], num_experts: int, top_k: int, seed: int) -> list[dict]:
@@ -211,6 +211,23 @@ def test_region_sizes() -> None:
     sizes = region_sizes(tokens=100, rows=333, top_k=8, hidden=72, element_size=2)
     assert sizes == {"tokens": 100 * 72 * 2, "rows": 333 * 72 * 2, "order": 3200, "weights": 3200, "grad_w": 333 * 4}
     assert tuple(sizes) == REGIONS
+    at = offsets({name: align(n) for name, n in sizes.items()})
+    assert at == {"tokens": 0, "rows": 14592, "order": 62720, "weights": 66048, "grad_w": 69376, "total": 70912}
+
+
+def test_workspace_region_refuses_a_tensor_larger_than_its_region() -> None:
+    """A region is a view of its own bytes only: a tensor that would spill into the next region (an
+    exchange larger than the buffer was sized for) is an error, not a silent overwrite."""
+    ws = SymmetricWorkspace(None, torch.device("cpu"))  # type: ignore[arg-type]  # no group: region() is host-only
+    ws.sizes = {name: align(n) for name, n in region_sizes(4, 6, 2, 8, 2).items()}
+    ws.at = offsets(ws.sizes)
+    ws.buffer = torch.zeros(ws.at["total"], dtype=torch.uint8)
+    rows = ws.region("rows", (6, 8), torch.bfloat16)
+    assert rows.data_ptr() == ws.buffer.data_ptr() + ws.at["rows"] and rows.shape == (6, 8)
+    assert ws.region("rows", (8, 8), torch.float32).numel() == 64  # 256 bytes: the aligned region, exactly
+    too_big = r"region 'rows' holds 256 bytes, but a \[9, 8\] torch.float32 tensor needs 288"
+    with pytest.raises(RuntimeError, match=too_big):
+        ws.region("rows", (9, 8), torch.float32)
 
 
 @pytest.mark.parametrize(
