@@ -43,14 +43,13 @@ class StepChecks:
         # Sum over the micro-batches since the last optimizer step of the averaged [aux..., z...].
         self._losses: torch.Tensor | None = None
         self._micro_batches = 0
-        # The layers' dispatchers that keep a static row budget (checked before the optimizer step).
+        # The layers' dispatchers that keep a static row budget (``watch_budgets``).
         self._budgets: list[Any] = []
 
     def after_forward(self, layers: list[MoELayer], module: pl.LightningModule, device: torch.device) -> None:
         """Average the per-layer losses and non-finite flags over ranks (one all-reduce, no host
         sync) and keep them. Under manual optimization (the optimizer steps ran inside
         ``training_step``) the flags are read and the losses logged at once."""
-        self._budgets = [lr.dispatcher for lr in layers if hasattr(lr.dispatcher, "raise_if_over_budget")]
         if not layers or not (self.check_finite or self.log_losses):
             if not module.automatic_optimization:
                 self._raise_if_over_budget()
@@ -89,6 +88,14 @@ class StepChecks:
         per_layer = {f"moe/layer_{i}/aux_loss": aux[i] for i in range(n)}
         per_layer |= {f"moe/layer_{i}/z_loss": z[i] for i in range(n)}
         module.log_dict(per_layer, sync_dist=False, on_step=True, on_epoch=False)
+
+    def watch_budgets(self, layers: list[MoELayer]) -> None:
+        """Check the row budgets of ``layers``' dispatchers (symmetric memory with
+        ``max_tokens_per_rank``) before every optimizer step, on every rank at once, instead of at
+        their dispatches (where the copy of an excess may reach one rank's host before another's)."""
+        self._budgets = [lr.dispatcher for lr in layers if getattr(lr.dispatcher, "budget", None) is not None]
+        for dispatcher in self._budgets:
+            dispatcher.budget.raise_at_dispatch = False
 
     def _raise_if_over_budget(self) -> None:
         """Dispatchers with a static row budget (symmetric memory with ``max_tokens_per_rank``) left

@@ -263,6 +263,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         use_mesh_aware_clipping(self.precision_plugin)
         self._step_checks = StepChecks(check_finite=self.check_finite, log_losses=self.log_moe_losses)
+        self._step_checks.watch_budgets(self._layers())
         check_before_step(self.precision_plugin, self._step_checks)
 
     def _find_moe_model(self, module: nn.Module) -> nn.Module:

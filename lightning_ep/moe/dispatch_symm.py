@@ -27,8 +27,8 @@ read at all: every rank's ``M`` is padded to ``R`` rows (a padding row has sourc
 reads or writes it, and the grouped GEMMs stop at the last expert's offset), the buffer is sized
 from ``R`` alone, and the host can queue layer after layer without waiting for the GPU. A layer
 whose rows exceed ``R`` on some rank leaves the excess out; ``RowBudget`` notes it on the device
-and raises at the next dispatch that finds the note on the host, and in any case before the
-optimizer step under ``ExpertParallelStrategy`` (``raise_if_over_budget``).
+and raises at the next dispatch that finds the note on the host, or, under
+``ExpertParallelStrategy``, on every rank before the optimizer step (``raise_if_over_budget``).
 """
 
 from __future__ import annotations
@@ -146,10 +146,16 @@ class RowBudget:
     Every dispatch queues a copy of the running maximum into pinned host memory. The maximum only
     grows, so whatever value the host reads is a true lower bound: ``check(wait=False)`` costs
     nothing and raises as soon as an excess is seen; ``check(wait=True)`` waits for the last copy.
+
+    ``raise_at_dispatch``: whether each dispatch runs ``check(wait=False)`` first. The copy may land
+    on one rank a layer earlier than on another, so that raise can come on some ranks only (the
+    launcher then stops the others). ``StepChecks.watch_budgets`` turns it off: under
+    ``ExpertParallelStrategy`` every rank raises at the same point, before the optimizer step.
     """
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.raise_at_dispatch = True
         self._worst_D: torch.Tensor | None = None
         self._host_D: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
@@ -267,7 +273,8 @@ class SymmetricMemoryDispatcher:
                 "symmetric_memory_dispatch=True it sizes the buffer of every rank's tokens too. Raise it (rows "
                 f"arriving at a rank's experts average tokens x top_k = {T * K} here)."
             )
-        budget.check(wait=False)  # an earlier layer's excess, if its note has reached the host
+        if budget.raise_at_dispatch:
+            budget.check(wait=False)  # an earlier layer's excess, if its note has reached the host
         order_N, counts_E, inverse_N = self._sort_pairs_fn(expert_ids_TK, self.num_experts)
         counts_DE = self._gather_counts(counts_E)
         workspace.reserve(region_sizes(R, R, K, H, x_TH.element_size()))  # the same sizes on every rank

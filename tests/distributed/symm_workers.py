@@ -247,8 +247,9 @@ def run_static_plan_matches_all_to_all(rank: int, world: int) -> None:
 
 def run_step_checks_stop_an_over_budget_step(rank: int, world: int) -> None:
     """Under ``ExpertParallelStrategy`` the budget is checked before the optimizer step
-    (``StepChecks``): a model whose routing sends one rank more rows than ``max_tokens_per_rank``
-    raises there, on every rank, with no optimizer step taken; within budget nothing is raised."""
+    (``StepChecks.watch_budgets``), not at the dispatches: a model whose routing sends one rank more
+    rows than ``max_tokens_per_rank`` raises there, on every rank (its second layer's dispatch does
+    not), with no optimizer step taken; within budget nothing is raised."""
     from lightning.pytorch import LightningModule
     from workers import BATCH, SEQ, _skew_router, micro_batch, tiny_mixtral
 
@@ -267,6 +268,8 @@ def run_step_checks_stop_an_over_budget_step(rank: int, world: int) -> None:
             _skew_router(model)
         layers = lightning_ep.moe_layers(model)
         checks = StepChecks(check_finite=False, log_losses=False)
+        checks.watch_budgets(layers)  # as ExpertParallelStrategy.setup does
+        assert all(layer.dispatcher.budget.raise_at_dispatch is False for layer in layers)
         ids = micro_batch(0, rank).to(device)
         model(input_ids=ids, labels=ids).loss.backward()
         checks.after_forward(layers, LightningModule(), device)
