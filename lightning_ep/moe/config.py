@@ -85,8 +85,9 @@ class MoEConfig:
             loop calls the dispatchers' ``raise_if_over_budget()``.
             ``T <= R`` tokens per rank. The experts then always run ``grouped_mm`` (bf16 / fp16
             on CUDA; the one-GEMM-per-expert path needs host counts), for no sync at all; fp32
-            experts loop over experts and read the counts. Measured (Session 8): +1-8% tokens/s
-            on the host-bound fine step at 8,192 tokens per GPU, +0-0.6% at 16,384.
+            experts loop over experts and read the counts. Measured (Session 8): +3.9% tokens/s
+            (median; -4.4% to +7.9%) on the host-bound fine step at 8,192 tokens per GPU, +0-0.6%
+            at 16,384, -2.6% at Mixtral shapes (no per-expert GEMMs).
     """
 
     smp_moe: bool = True

@@ -93,7 +93,8 @@ class InterleavedGLUExperts(RoutedExperts):
 
         Args:
             x_NH: rows sorted by local expert.
-            counts_L: rows per local expert (int, on any device), summing to ``N``.
+            counts_L: rows per local expert (int, on any device), summing to ``N`` or less (the rows
+                past them are padding: their outputs are never to be read).
             counts_host: the same counts as host integers, when the caller has them.
         Returns:
             ``[N, H]`` expert outputs, in the order of ``x_NH``.
