@@ -44,6 +44,17 @@ def _row_scales(scale_L: torch.Tensor, counts_L: torch.Tensor, rows: int) -> tor
     return scale_L[expert_M.clamp_(max=scale_L.shape[0] - 1)]
 
 
+def _case_inputs(
+    rank: int, dtype: torch.dtype, T: int, hidden: int, top_k: int, skew: bool
+) -> tuple[torch.Tensor, ...]:
+    """One case's tokens, routing, weights and upstream gradient on this rank."""
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x_TH = torch.randn(T, hidden, generator=g, device="cuda").to(dtype)
+    ids_TK = _ids(T, top_k, rank, skew)
+    weights_TK = torch.rand(T, top_k, generator=g, device="cuda")
+    return x_TH, ids_TK, weights_TK, torch.randn(T, hidden, generator=g, device="cuda")
+
+
 def _run(dispatcher, x_TH, ids_TK, weights_TK, scale_E, upstream_TH) -> list[torch.Tensor]:
     """Dispatch, a per-expert nonlinear map (each expert its own scale), combine, backward.
 
@@ -100,14 +111,9 @@ def run_symm_matches_all_to_all(rank: int, world: int) -> None:
         ("no tokens here", torch.float32, (0, 20), 256, 2, False),
     ]
     workspace = None
+    scale_E = torch.linspace(0.5, 2.0, NUM_EXPERTS, device="cuda")
     for name, dtype, tokens, hidden, top_k, skew in cases:
-        T = tokens[rank]
-        g = torch.Generator(device="cuda").manual_seed(rank)
-        x_TH = torch.randn(T, hidden, generator=g, device="cuda").to(dtype)
-        ids_TK = _ids(T, top_k, rank, skew)
-        weights_TK = torch.rand(T, top_k, generator=g, device="cuda")
-        scale_E = torch.linspace(0.5, 2.0, NUM_EXPERTS, device="cuda")
-        upstream_TH = torch.randn(T, hidden, generator=g, device="cuda")
+        x_TH, ids_TK, weights_TK, upstream_TH = _case_inputs(rank, dtype, tokens[rank], hidden, top_k, skew)
         want = _run(a2a, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
         before = workspace.at["total"] if workspace is not None else 0
         got = _run(symm, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
@@ -164,12 +170,7 @@ def run_static_plan_matches_all_to_all(rank: int, world: int) -> None:
         ("no tokens here", torch.float32, (0, 20), 256, 2, False),
     ]
     for name, dtype, tokens, hidden, top_k, skew in cases:
-        T = tokens[rank]
-        g = torch.Generator(device="cuda").manual_seed(rank)
-        x_TH = torch.randn(T, hidden, generator=g, device="cuda").to(dtype)
-        ids_TK = _ids(T, top_k, rank, skew)
-        weights_TK = torch.rand(T, top_k, generator=g, device="cuda")
-        upstream_TH = torch.randn(T, hidden, generator=g, device="cuda")
+        x_TH, ids_TK, weights_TK, upstream_TH = _case_inputs(rank, dtype, tokens[rank], hidden, top_k, skew)
         want = _run(a2a, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
         got = _run(static, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
         M = want[0].shape[0]
@@ -186,11 +187,7 @@ def run_static_plan_matches_all_to_all(rank: int, world: int) -> None:
     # The plan through torch.compile (MoELayer.compile_routing does this): the same bits, no sync.
     static.compile_plan()
     name, dtype, tokens, hidden, top_k, skew = cases[1]
-    g = torch.Generator(device="cuda").manual_seed(rank)
-    x_TH = torch.randn(tokens[rank], hidden, generator=g, device="cuda").to(dtype)
-    ids_TK = _ids(tokens[rank], top_k, rank, skew)
-    weights_TK = torch.rand(tokens[rank], top_k, generator=g, device="cuda")
-    upstream_TH = torch.randn(tokens[rank], hidden, generator=g, device="cuda")
+    x_TH, ids_TK, weights_TK, upstream_TH = _case_inputs(rank, dtype, tokens[rank], hidden, top_k, skew)
     want = _run(a2a, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
     got = _run(static, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
     M = want[0].shape[0]
