@@ -14,6 +14,14 @@ from lightning_ep.moe import MoEConfig
 from lightning_ep.moe.dispatchers import make_dispatcher
 
 NUM_EXPERTS = 16
+#: (name, dtype, tokens on rank 0 / rank 1, hidden, top_k, skew): an uneven split, a hidden size that is
+#: not a multiple of the kernels' block, a rank that receives nothing, a rank without tokens.
+CASES = [
+    ("uniform", torch.float32, (48, 48), 128, 4, False),
+    ("uneven", torch.bfloat16, (70, 33), 1100, 2, False),
+    ("one rank idle", torch.bfloat16, (40, 24), 64, 3, True),
+    ("no tokens here", torch.float32, (0, 20), 256, 2, False),
+]
 
 
 def run_gloo_rejects(rank: int, world: int) -> None:
@@ -103,13 +111,7 @@ def run_symm_matches_all_to_all(rank: int, world: int) -> None:
     a2a = AllToAllDispatcher(NUM_EXPERTS, group)
     symm = make_dispatcher(MoEConfig(symmetric_memory_dispatch=True), NUM_EXPERTS, group)
     assert isinstance(symm, SymmetricMemoryDispatcher)
-    cases = [  # (name, dtype, tokens on rank 0 / rank 1, hidden, top_k, skew)
-        ("uniform", torch.float32, (48, 48), 128, 4, False),
-        ("uneven", torch.bfloat16, (70, 33), 1100, 2, False),
-        ("one rank idle", torch.bfloat16, (40, 24), 64, 3, True),
-        ("grows", torch.bfloat16, (1024, 1500), 1024, 4, False),
-        ("no tokens here", torch.float32, (0, 20), 256, 2, False),
-    ]
+    cases = [*CASES, ("grows", torch.bfloat16, (1024, 1500), 1024, 4, False)]
     workspace = None
     scale_E = torch.linspace(0.5, 2.0, NUM_EXPERTS, device="cuda")
     for name, dtype, tokens, hidden, top_k, skew in cases:
@@ -162,13 +164,7 @@ def run_static_plan_matches_all_to_all(rank: int, world: int) -> None:
     static = make_dispatcher(MoEConfig(symmetric_memory_dispatch=True, max_tokens_per_rank=budget), NUM_EXPERTS, group)
     assert isinstance(static, SymmetricMemoryDispatcher) and static.budget is not None
     scale_E = torch.linspace(0.5, 2.0, NUM_EXPERTS, device="cuda")
-    cases = [  # (name, dtype, tokens on rank 0 / rank 1, hidden, top_k, skew)
-        ("uniform", torch.float32, (48, 48), 128, 4, False),
-        ("uneven", torch.bfloat16, (70, 33), 1100, 2, False),
-        ("one rank idle", torch.bfloat16, (40, 24), 64, 3, True),
-        ("large", torch.bfloat16, (1024, 1500), 1024, 2, False),
-        ("no tokens here", torch.float32, (0, 20), 256, 2, False),
-    ]
+    cases = [*CASES, ("large", torch.bfloat16, (1024, 1500), 1024, 2, False)]  # top-2: within the budget
     for name, dtype, tokens, hidden, top_k, skew in cases:
         x_TH, ids_TK, weights_TK, upstream_TH = _case_inputs(rank, dtype, tokens[rank], hidden, top_k, skew)
         want = _run(a2a, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
