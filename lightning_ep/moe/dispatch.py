@@ -94,6 +94,13 @@ def expert_counts(sorted_ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:
     return edges_E1[1:] - edges_E1[:-1]
 
 
+def block_of_rows(ends: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """For each row index in ``rows``, the block that holds it, blocks laid out one after another
+    with inclusive ends ``ends`` (the prefix sums of their sizes), by binary search: no host sync.
+    Rows past the last block (padding) get the last block's index."""
+    return torch.searchsorted(ends, rows, right=True).clamp_(max=ends.numel() - 1)
+
+
 def count_ids(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Rows per expert (int64 ``[E]``) of unsorted ids, by an integer scatter-add: no host sync."""
     flat = expert_ids.reshape(-1)

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe.dispatch import Dispatched, inverse_permutation, sort_by_expert
+from lightning_ep.moe.dispatch import Dispatched, block_of_rows, inverse_permutation, sort_by_expert
 from lightning_ep.moe.dispatch_ep import _check_budget, expert_layout
 from lightning_ep.moe.symm_pull import SymmetricWorkspace, pull_combine_backward, pull_rows, pull_sum, region_sizes
 
@@ -85,7 +85,7 @@ def plan_pulls(
     ends = torch.cumsum(sizes, 0)
     arange_M = torch.arange(rows, device=device)
     if padded:  # the segment of each row by binary search; rows past the last are padding
-        segment_M = torch.searchsorted(ends, arange_M, right=True).clamp_(max=L * D - 1)
+        segment_M = block_of_rows(ends, arange_M)
     else:
         segment_M = torch.repeat_interleave(torch.arange(L * D, device=device), sizes, output_size=rows)
     first = ends - sizes

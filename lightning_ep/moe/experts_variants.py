@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lightning_ep.moe.dispatch import block_of_rows
 from lightning_ep.moe.experts import GROUPED_MM, RoutedExperts, with_grad_scale
 
 
@@ -121,8 +122,7 @@ class InterleavedGLUExperts(RoutedExperts):
         offsets_L = torch.cumsum(counts_L, dim=0).to(torch.int32)
         # The expert of every row, by binary search (no host sync); rows past the last offset
         # (a padded dispatch) take the last expert's bias: the GEMMs leave them out anyway.
-        rows_N = torch.arange(x_NH.shape[0], device=x_NH.device, dtype=offsets_L.dtype)
-        expert_N = torch.searchsorted(offsets_L, rows_N, right=True).clamp_(max=counts_L.shape[0] - 1)
+        expert_N = block_of_rows(offsets_L, torch.arange(x_NH.shape[0], device=x_NH.device, dtype=offsets_L.dtype))
         h_NF = GROUPED_MM(x_NH, w1_LHF, offs=offsets_L) + b1_LF[expert_N]
         a_NI = self.glu(h_NF).contiguous()
         return GROUPED_MM(a_NI, w2_LIH, offs=offsets_L) + b2_LH[expert_N]

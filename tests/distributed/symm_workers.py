@@ -11,6 +11,7 @@ import torch.distributed as dist
 from conftest import count_syncs  # tests/ is on sys.path under pytest, also in spawned workers
 
 from lightning_ep.moe import MoEConfig
+from lightning_ep.moe.dispatch import block_of_rows
 from lightning_ep.moe.dispatchers import make_dispatcher
 
 NUM_EXPERTS = 16
@@ -48,8 +49,7 @@ def _ids(tokens: int, top_k: int, rank: int, skew: bool) -> torch.Tensor:
 def _row_scales(scale_L: torch.Tensor, counts_L: torch.Tensor, rows: int) -> torch.Tensor:
     """Each row's expert's scale; rows past the counts (a padded plan) take the last expert's."""
     ends_L = torch.cumsum(counts_L, 0)
-    expert_M = torch.searchsorted(ends_L, torch.arange(rows, device=ends_L.device), right=True)
-    return scale_L[expert_M.clamp_(max=scale_L.shape[0] - 1)]
+    return scale_L[block_of_rows(ends_L, torch.arange(rows, device=ends_L.device))]
 
 
 def _case_inputs(

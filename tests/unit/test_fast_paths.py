@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
 from lightning_ep.moe.dispatch import (
+    block_of_rows,
     count_ids,
     expert_counts,
     gather_rows,
@@ -94,6 +95,17 @@ def test_expert_counts_with_a_trailing_overflow_key():
     # The all-gather dispatcher sorts keys 0..L with L meaning "another rank's expert".
     keys = torch.tensor([3, 0, 3, 1, 3, 0])
     assert torch.equal(expert_counts(torch.sort(keys).values, 4), torch.tensor([2, 1, 0, 3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_block_of_rows_equals_repeat_interleave_then_pads_with_the_last_block(dtype):
+    """Blocks of sizes 3, 0, 2, 0, 4 (empty ones included), then 3 padding rows."""
+    sizes = torch.tensor([3, 0, 2, 0, 4], dtype=dtype)
+    rows = torch.arange(12, dtype=dtype)
+    got = block_of_rows(torch.cumsum(sizes, 0).to(dtype), rows)
+    want = torch.repeat_interleave(torch.arange(5), sizes.long())
+    assert torch.equal(got[:9], want)
+    assert torch.equal(got[9:], torch.full((3,), 4))
 
 
 def test_inverse_permutation_equals_index_put():
