@@ -226,13 +226,42 @@ class SymmetricMemoryDispatcher:
         self._static_plan_fn = torch.compile(static_plan, **compile_kwargs)
 
     def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:
-        workspace = SymmetricWorkspace.of(self.group, x_TH.device)
         if self.budget is not None:
-            plan, counts_E = self._static_plan(expert_ids_TK, x_TH, workspace, self.budget)
-        else:
-            plan, counts_E = self._plan(expert_ids_TK, x_TH.shape[1], x_TH.element_size(), workspace)
+            if self.budget.raise_at_dispatch:
+                self.budget.check(wait=False)  # an earlier layer's excess, if its note has reached the host
+            dispatched, loads_D = self.dispatch_static(x_TH, expert_ids_TK)
+            self.budget.note(loads_D)
+            return dispatched
+        workspace = SymmetricWorkspace.of(self.group, x_TH.device)
+        plan, counts_E = self._plan(expert_ids_TK, x_TH.shape[1], x_TH.element_size(), workspace)
         x_MH = _PullDispatch.apply(x_TH.contiguous(), plan, workspace)
         return Dispatched(x_MH, plan.counts_L, counts_E, {"plan": plan}, counts_host=plan.counts_host)
+
+    def dispatch_static(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> tuple[Dispatched, torch.Tensor]:
+        """The dispatch on the plan padded to the row budget ``R`` (needs ``max_tokens_per_rank``),
+        without the budget's bookkeeping: no host read and no host-side state, so a CUDA graph can
+        capture it (``lightning_ep.moe.graphs``). Also returns the rows received per rank
+        ``loads_D`` (int64, device), for ``RowBudget.note``."""
+        if self.budget is None:
+            raise ValueError("dispatch_static needs a row budget: MoEConfig(max_tokens_per_rank=...).")
+        K, R = expert_ids_TK.shape[1], self.budget.budget
+        T, H = x_TH.shape
+        if T > R:
+            raise ValueError(
+                f"MoEConfig.max_tokens_per_rank={R} is below this rank's {T} tokens; with "
+                "symmetric_memory_dispatch=True it sizes the buffer of every rank's tokens too. Raise it (rows "
+                f"arriving at a rank's experts average tokens x top_k = {T * K} here)."
+            )
+        workspace = SymmetricWorkspace.of(self.group, x_TH.device)
+        order_N, counts_E, inverse_N = self._sort_pairs_fn(expert_ids_TK, self.num_experts)
+        counts_DE = self._gather_counts(counts_E)
+        workspace.reserve(region_sizes(R, R, K, H, x_TH.element_size()))  # the same sizes on every rank
+        src_M, pos_M, src_TK, row_TK, order32_N, counts_L, loads_D = self._static_plan_fn(
+            counts_DE, self.rank, self.num_local_experts, expert_ids_TK, order_N, inverse_N, R
+        )
+        plan = PullPlan(src_M, pos_M, src_TK, row_TK, order32_N, counts_L, None)
+        x_MH = _PullDispatch.apply(x_TH.contiguous(), plan, workspace)
+        return Dispatched(x_MH, plan.counts_L, counts_E, {"plan": plan}), loads_D
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         workspace = SymmetricWorkspace.of(self.group, y_MH.device)
@@ -260,29 +289,6 @@ class SymmetricMemoryDispatcher:
         counts_L, counts_host = counts_DE[:, mine].sum(0), counts_host_DE[:, mine].sum(0).tolist()
         plan = PullPlan(src_M, pos_M, src_TK, row_TK, order_N.to(torch.int32), counts_L, counts_host)
         return plan, counts_E
-
-    def _static_plan(
-        self, expert_ids_TK: torch.Tensor, x_TH: torch.Tensor, workspace: SymmetricWorkspace, budget: RowBudget
-    ) -> tuple[PullPlan, torch.Tensor]:
-        """The plan padded to ``R = budget.budget`` rows on every rank: no host read."""
-        K, R = expert_ids_TK.shape[1], budget.budget
-        T, H = x_TH.shape
-        if T > R:
-            raise ValueError(
-                f"MoEConfig.max_tokens_per_rank={R} is below this rank's {T} tokens; with "
-                "symmetric_memory_dispatch=True it sizes the buffer of every rank's tokens too. Raise it (rows "
-                f"arriving at a rank's experts average tokens x top_k = {T * K} here)."
-            )
-        if budget.raise_at_dispatch:
-            budget.check(wait=False)  # an earlier layer's excess, if its note has reached the host
-        order_N, counts_E, inverse_N = self._sort_pairs_fn(expert_ids_TK, self.num_experts)
-        counts_DE = self._gather_counts(counts_E)
-        workspace.reserve(region_sizes(R, R, K, H, x_TH.element_size()))  # the same sizes on every rank
-        src_M, pos_M, src_TK, row_TK, order32_N, counts_L, loads_D = self._static_plan_fn(
-            counts_DE, self.rank, self.num_local_experts, expert_ids_TK, order_N, inverse_N, R
-        )
-        budget.note(loads_D)
-        return PullPlan(src_M, pos_M, src_TK, row_TK, order32_N, counts_L, None), counts_E
 
     def _gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """``C``: every rank's pairs per expert, ``[D, E]`` on the device."""
