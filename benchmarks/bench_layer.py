@@ -20,7 +20,9 @@ shared expert: it runs after the dispatch exchange instead of during it). With a
 ``all-to-all`` is the exchange time left exposed after the shared expert's work. Dispatcher
 ``symm`` (``MoEConfig(symmetric_memory_dispatch=True)``) has no separate exchange: its pulls are
 timed in ``permutation`` (dispatch) and ``combine``; ``symm-budget`` is the same with
-``max_tokens_per_rank = --row-budget x tokens x top_k`` (the static plan: no host sync).
+``max_tokens_per_rank = --row-budget x tokens x top_k`` (the static plan: no host sync), and
+``symm-graph`` that plan with ``MoEConfig(cuda_graphs=True)`` (dispatch, experts and combine replayed
+as CUDA graphs, captured during the warm-up; no phases: the marked run would be eager).
 
 Run (two GPUs; degree 1 runs on each GPU alone):
 
@@ -225,7 +227,7 @@ def parallelize(
     layer: MoELayer, degree: int, dispatcher: str, device: torch.device, budget: int | None = None
 ) -> MoELayer:
     """Shard the experts over ``degree`` ranks (``degree == world``) and pick the dispatcher
-    (``budget``: ``max_tokens_per_rank`` of ``symm-budget``)."""
+    (``budget``: ``max_tokens_per_rank`` of ``symm-budget`` and ``symm-graph``)."""
     if degree == 1:
         return layer
     import dataclasses
@@ -237,7 +239,8 @@ def parallelize(
         layer.config,
         moe_all_to_all_dispatcher=dispatcher != "allgather",
         symmetric_memory_dispatch=dispatcher.startswith("symm"),
-        max_tokens_per_rank=budget if dispatcher == "symm-budget" else None,
+        max_tokens_per_rank=budget if dispatcher in ("symm-budget", "symm-graph") else None,
+        cuda_graphs=dispatcher == "symm-graph",
     )
     holder = nn.ModuleDict({"moe": layer})
     parallelize_moe_layers(holder, init_mesh(degree, device_type=device.type))
@@ -269,6 +272,8 @@ def measure(
         samples.append(timer.ms())
     total = statistics.median(samples)
     syncs = count_host_syncs(step)
+    if layer.config.cuda_graphs:  # the marked run is eager: no phases of the graphs
+        return {"total": total, "marked": float("nan"), "syncs": syncs, **dict.fromkeys(PHASES, float("nan"))}
 
     phase_samples: dict[str, list[float]] = {p: [] for p in PHASES}
     marked = []
@@ -323,9 +328,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["coarse", "fine"], choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per GPU (batch x sequence)")
     parser.add_argument("--degrees", nargs="+", type=int, default=None, help="default: 1 and the world size")
-    parser.add_argument(
-        "--dispatchers", nargs="+", default=["a2a", "allgather"], choices=["a2a", "allgather", "symm", "symm-budget"]
-    )
+    dispatchers = ["a2a", "allgather", "symm", "symm-budget", "symm-graph"]
+    parser.add_argument("--dispatchers", nargs="+", default=["a2a", "allgather"], choices=dispatchers)
     parser.add_argument("--row-budget", type=float, default=1.25, help="symm-budget: budget over tokens x top_k")
     parser.add_argument(
         "--compile", action="store_true", help="MoELayer.compile_routing(): the routing (and a symm plan) compiled"
@@ -401,7 +405,7 @@ def main() -> None:
     notes = (
         f"Tokens per GPU {args.tokens}, balancing {args.balancing!r}, bf16 weights and activations, "
         + ("routing compiled (compile_routing), " if args.compile else "")
-        + f"symm-budget rows: budget {args.row_budget} x tokens x top_k; "
+        + f"symm-budget and symm-graph rows: budget {args.row_budget} x tokens x top_k; "
         f"median of {args.iters} after {args.warmup} warm-ups; dense bf16 GEMM {dense:.0f} TFLOP/s. "
         "Phases are forward + backward; `marked ms` is the run that carries the phase marks. "
         "Floor = expert GEMMs at the grouped-GEMM rate measured now on the layer's own row counts "

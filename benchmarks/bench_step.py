@@ -28,7 +28,9 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   collects the young generations every 5 steps instead; ``+dedup`` sends each token once per rank
   (``MoEConfig(token_dedup=True)``, all-to-all rows only); ``+budget`` sets
   ``MoEConfig(max_tokens_per_rank=ceil(--row-budget x batch x seq x top_k))``, which on an
-  ``ep:symm`` row makes the dispatch static and free of host syncs; ``@reference`` (or another of
+  ``ep:symm`` row makes the dispatch static and free of host syncs, and ``+graph`` (with ``+budget``)
+  replays each MoE layer's dispatch, experts and combine as CUDA graphs (``MoEConfig(cuda_graphs=True)``;
+  captured in the third warm-up step); ``@reference`` (or another of
   ``_variants.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
@@ -328,6 +330,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
             symmetric_memory_dispatch=base == "ep:symm",
             token_dedup="dedup" in options,
             max_tokens_per_rank=row_budget(args, shape) if "budget" in options else None,
+            cuda_graphs="graph" in options,
         )
         checkpointing: bool | str = "keep_all_to_all" if "ac_keep" in options else "ac" in options
         strategy: Any = ExpertParallelStrategy(

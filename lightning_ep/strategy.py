@@ -55,6 +55,11 @@ def _check_activation_checkpointing(value: Any, moe: MoEConfig) -> None:
         raise ValueError(
             f"ExpertParallelStrategy(activation_checkpointing={value!r}): pass True, False or 'keep_all_to_all'."
         )
+    if value and moe.cuda_graphs:
+        raise ValueError(
+            f"ExpertParallelStrategy(activation_checkpointing={value!r}) recomputes each decoder layer, which "
+            "MoEConfig.cuda_graphs=True cannot replay (a graph keeps one forward's activations); drop one of them."
+        )
     nccl_a2a = moe.moe_all_to_all_dispatcher and moe.capacity_factor is None and not moe.symmetric_memory_dispatch
     if value == "keep_all_to_all" and not nccl_a2a:
         raise ValueError(
@@ -337,6 +342,12 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
     def _layers(self) -> list[MoELayer]:
         return moe_layers(self._hf_model) if self._hf_model is not None else []
+
+    @override
+    def teardown(self) -> None:
+        for layer in self._layers():  # CUDA graphs hold the NCCL communicator (MoEConfig.cuda_graphs)
+            layer.release_graphs()
+        super().teardown()
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._hf_model is not None:

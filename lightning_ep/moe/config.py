@@ -18,7 +18,14 @@ DropPolicy = Literal["probs", "position"]
 LOAD_BALANCING_MODES: tuple[str, ...] = get_args(LoadBalancing)
 ROUTER_DTYPES: tuple[str, ...] = get_args(RouterDtype)
 DROP_POLICIES: tuple[str, ...] = get_args(DropPolicy)
-_FLAGS = ("smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher", "token_dedup", "symmetric_memory_dispatch")
+_FLAGS = (
+    "smp_moe",
+    "global_token_shuffle",
+    "moe_all_to_all_dispatcher",
+    "token_dedup",
+    "symmetric_memory_dispatch",
+    "cuda_graphs",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +95,17 @@ class MoEConfig:
             experts loop over experts and read the counts. Measured (Session 8): +3.9% tokens/s
             (median; -4.4% to +7.9%) on the host-bound fine step at 8,192 tokens per GPU, +0-0.6%
             at 16,384, -2.6% at Mixtral shapes (no per-expert GEMMs).
+        cuda_graphs: with ``symmetric_memory_dispatch`` and ``max_tokens_per_rank`` (the static
+            plan): replay each MoE layer's dispatch, experts and combine, forward and backward, as
+            CUDA graphs (``lightning_ep.moe.graphs``): one launch instead of about a hundred small
+            kernels per layer, the same bits. A layer's first two training calls run eagerly, the
+            third captures. Needs bf16 / fp16 experts (the grouped GEMM) whose weights stay in place:
+            outside FSDP2 (expert-parallel degree = world size), and no activation checkpointing.
+            Holds every layer's activations and temporaries in one memory pool. At degree 1
+            (no symmetric memory) it does nothing. Measured (``benchmarks/RESULTS.md``, Session 9, 2 x
+            H200, Qwen3-30B-like shapes): one layer's forward + backward 6.74-6.96 ms instead of
+            7.35-7.73 (1.25-1.31x its floor), but the training step at 8,192 tokens per GPU -0.9% to
+            -2.3% tokens/s on hosts where it is already GPU-bound. Hence off by default.
     """
 
     smp_moe: bool = True
@@ -105,6 +123,7 @@ class MoEConfig:
     max_tokens_per_rank: int | None = None
     token_dedup: bool = False
     symmetric_memory_dispatch: bool = False
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -150,6 +169,13 @@ class MoEConfig:
                 f"dispatcher={self.moe_all_to_all_dispatcher}, capacity_factor={self.capacity_factor}, token_dedup="
                 f"{self.token_dedup}; set moe_all_to_all_dispatcher=True, capacity_factor=None and token_dedup=False, "
                 "or symmetric_memory_dispatch=False."
+            )
+        if self.cuda_graphs and not (self.symmetric_memory_dispatch and self.max_tokens_per_rank is not None):
+            raise ValueError(
+                "MoEConfig.cuda_graphs=True captures the static plan of the symmetric-memory dispatch, but "
+                f"symmetric_memory_dispatch={self.symmetric_memory_dispatch}, max_tokens_per_rank="
+                f"{self.max_tokens_per_rank}; set symmetric_memory_dispatch=True and max_tokens_per_rank (about "
+                "1.25-1.6 x tokens per rank x top_k), or cuda_graphs=False."
             )
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "balance_update_rate"):
             _check_float(name, getattr(self, name))

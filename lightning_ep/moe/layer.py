@@ -22,6 +22,7 @@ from lightning_ep.moe.router import TopKRouter
 
 if TYPE_CHECKING:
     from lightning_ep.moe.dispatch_ep import KeptExchange, TokenShuffle
+    from lightning_ep.moe.graphs import LayerGraphs
 
 _JITTER_STREAM = 0
 _SHUFFLE_STREAM = 1
@@ -165,6 +166,7 @@ class MoELayer(nn.Module):
         # Eager by default; ``compile_routing`` swaps in compiled versions of the same functions.
         self._route = route
         self._all_finite = all_finite
+        self._layer_graphs: LayerGraphs | None = None
 
     def compile_routing(self, **compile_kwargs: Any) -> None:
         """Run the router with its losses and statistics (``route``) and the output's finiteness
@@ -176,6 +178,13 @@ class MoELayer(nn.Module):
         compile_plan = getattr(self.dispatcher, "compile_plan", None)
         if compile_plan is not None:  # the symmetric-memory dispatcher's index arithmetic
             compile_plan(**compile_kwargs)
+
+    def release_graphs(self) -> None:
+        """Drop this layer's CUDA graphs (``config.cuda_graphs``), e.g. before destroying the process
+        group their NCCL exchange runs on; the next training calls warm up and capture anew."""
+        if self._layer_graphs is not None:
+            self._layer_graphs.release()
+            self._layer_graphs = None
 
     def __getattr__(self, name: str) -> Any:
         # Roles resolve to the Hugging Face child names (``layer.gate`` is GPT-OSS's ``router``).
@@ -210,6 +219,31 @@ class MoELayer(nn.Module):
             x_TH, shuffle_state = self.shuffle.shuffle(x_TH, generator)
 
         expert_ids_TK, weights_TK, stats = self._route(self.gate, x_TH, self.check_finite)
+        graphs = self._graphs()
+        if graphs is not None and graphs.applies(x_TH, expert_ids_TK, weights_TK):
+            out_TH, tokens_per_expert_E = graphs(x_TH, expert_ids_TK, weights_TK)
+            shared_TH = self._shared(x_TH)
+        else:
+            out_TH, shared_TH, tokens_per_expert_E = self._dispatch_and_combine(
+                x_TH, expert_ids_TK, weights_TK, draw_id
+            )
+        if shared_TH is not None:
+            out_TH = out_TH + shared_TH
+
+        if self.check_finite:
+            # A device-side flag, read by the caller once per step (no host sync here).
+            assert stats.logits_finite is not None
+            self.nonfinite = ~(stats.logits_finite & self._all_finite(out_TH))
+        out_TH = self._account(out_TH, stats, tokens_per_expert_E)
+        if self.shuffle is not None and shuffle_state is not None:
+            out_TH = self.shuffle.unshuffle(out_TH, shuffle_state)
+        return out_TH.to(hidden_BSH.dtype).reshape(shape)
+
+    def _dispatch_and_combine(
+        self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, draw_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The routed experts' output ``[T, H]``, the shared experts' (or ``None``) and the tokens per
+        expert, eagerly."""
         keep = self._exchange_to_keep(draw_id)
         if getattr(self.dispatcher, "takes_weights", False):  # capacity: "probs" ranks rows by weight
             dispatched = self.dispatcher.dispatch(x_TH, expert_ids_TK, weights_TK)  # type: ignore[call-arg]
@@ -227,17 +261,18 @@ class MoELayer(nn.Module):
             shared_TH = self._shared(x_TH)
         y_MH = self.experts(x_MH, dispatched.counts_L, dispatched.counts_host)
         out_TH = self.dispatcher.combine(y_MH, weights_TK, dispatched)
-        if shared_TH is not None:
-            out_TH = out_TH + shared_TH
+        return out_TH, shared_TH, dispatched.tokens_per_expert_E
 
-        if self.check_finite:
-            # A device-side flag, read by the caller once per step (no host sync here).
-            assert stats.logits_finite is not None
-            self.nonfinite = ~(stats.logits_finite & self._all_finite(out_TH))
-        out_TH = self._account(out_TH, stats, dispatched.tokens_per_expert_E)
-        if self.shuffle is not None and shuffle_state is not None:
-            out_TH = self.shuffle.unshuffle(out_TH, shuffle_state)
-        return out_TH.to(hidden_BSH.dtype).reshape(shape)
+    def _graphs(self) -> LayerGraphs | None:
+        """With ``config.cuda_graphs``, the CUDA graphs of this layer's dispatcher (made on first use;
+        ``None`` for a dispatcher without a static plan: one process)."""
+        if not self.config.cuda_graphs or not hasattr(self.dispatcher, "dispatch_static"):
+            return None
+        if self._layer_graphs is None or self._layer_graphs.dispatcher is not self.dispatcher:
+            from lightning_ep.moe.graphs import LayerGraphs
+
+            self._layer_graphs = LayerGraphs(self.dispatcher, self.experts)
+        return self._layer_graphs
 
     def _account(self, out_TH: torch.Tensor, stats: RouterStats, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """Keep the router losses and the counts, attach the weighted losses."""

@@ -75,6 +75,13 @@ def shard_model(
                 "lightning_ep.transform(model, config, mesh=mesh) before shard_model."
             )
         if shard_experts:
+            if layer.config.cuda_graphs:
+                raise ValueError(
+                    "MoEConfig.cuda_graphs=True needs the experts' weights to stay in place, but they have "
+                    f"{experts_mesh.size()} expert-data-parallel ranks, so FSDP2 would gather them anew every step; "
+                    "use an expert-parallel degree equal to the world size (and replicate_degree=1), or "
+                    "cuda_graphs=False."
+                )
             fully_shard(layer.experts, mesh=experts_mesh, shard_placement_fn=lambda p: Shard(1), **kwargs)
         else:
             unsharded.update(layer.experts.parameters(recurse=False))

@@ -7,6 +7,7 @@ plan is checked on the CPU in ``tests/unit/test_dispatch_symm.py``.
 from __future__ import annotations
 
 import pytest
+from graph_workers import run_sharded_experts_refuse_graphs
 from harness import spawn
 from symm_workers import run_gloo_rejects
 
@@ -15,3 +16,7 @@ pytestmark = pytest.mark.distributed
 
 def test_gloo_group_is_refused_with_the_fix() -> None:
     spawn(run_gloo_rejects, 2)
+
+
+def test_cuda_graphs_refuse_experts_sharded_by_fsdp2() -> None:
+    spawn(run_sharded_experts_refuse_graphs, 2)

@@ -202,6 +202,15 @@ def test_compile_layers_with_the_models_own_blocks(single_process) -> None:
             r"capacity_factor=None, symmetric_memory_dispatch=True; use the dropless all-to-all dispatcher "
             r"\(True, None, False\)",
         ),
+        (
+            {
+                "activation_checkpointing": True,
+                "moe": MoEConfig(symmetric_memory_dispatch=True, max_tokens_per_rank=1024, cuda_graphs=True),
+            },
+            ValueError,
+            r"activation_checkpointing=True\) recomputes each decoder layer, which MoEConfig.cuda_graphs=True "
+            r"cannot replay .*; drop one of them",
+        ),
     ],
 )
 def test_constructor_arguments(kwargs: dict, error: type, message: str) -> None:

@@ -99,7 +99,7 @@ def test_negative_seed():
         MoEConfig(random_seed=-1)
 
 
-@pytest.mark.parametrize("name", ["smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher"])
+@pytest.mark.parametrize("name", ["smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher", "cuda_graphs"])
 @pytest.mark.parametrize(("value", "shown"), [(1, "1 (int)"), ("yes", "'yes' (str)"), (None, "None (NoneType)")])
 def test_flags_must_be_bool(name, value, shown):
     with pytest.raises(TypeError, match=re.escape(f"MoEConfig.{name} must be a bool, got {shown}.")):

@@ -1,0 +1,277 @@
+"""One MoE layer's dispatch, experts and combine replayed as CUDA graphs (``MoEConfig.cuda_graphs``).
+
+With the symmetric-memory dispatch and a row budget (``max_tokens_per_rank``) nothing in a layer
+between its routing and its output depends on the host: every shape is static and no value is read
+back. The host then spends more time launching that part's hundred-odd small kernels than the GPU
+spends running them at Qwen3-30B-like shapes (``benchmarks/RESULTS.md``, Session 8). ``LayerGraphs``
+captures the part once in a CUDA graph for the forward and one for the backward, and from then on
+launches each with one call:
+
+- the first ``WARMUP`` training calls of a layer run eagerly (Triton, ``torch.compile`` and NCCL
+  initialise there); the next one captures the forward, and its backward the backward;
+- each replay copies its inputs (tokens, expert ids, routing weights; the output's gradient) into
+  the graph's own buffers; the expert weights are read where they are, so the optimizer's in-place
+  updates reach the graph (a weight that moved raises, see ``_check_weights``);
+- the captured kernels are the eager ones, on the same values, so the results are the same bits;
+- all layers' graphs share one memory pool, captured in the order they replay (forwards in layer
+  order, backwards in reverse), as ``torch.cuda.make_graphed_callables`` does; so a buffer one graph
+  leaves behind may hold another graph's temporaries by that graph's next replay;
+- a call runs eagerly whenever the graph's shapes, dtypes or ``requires_grad`` differ, grad is off
+  (evaluation), or the layer's last replayed forward still awaits its backward (a second forward
+  before the backward would overwrite the activations the graph keeps).
+
+Gradients: the gradients the backward graph returns live in its buffers. Autograd consumes the
+input gradients before any other replay; a weight's first gradient of a step becomes that weight's
+``.grad`` as is (autograd keeps it rather than copying it), and before the next forward replay (of
+any layer) a ``.grad`` still pointing into a graph's buffer is copied out (``_release_grads``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lightning_ep.moe.experts import RoutedExperts, grouped_mm_supported, local_tensor
+
+#: Eager training calls of a layer before its graphs are captured.
+WARMUP = 2
+
+
+class LayerGraphs:
+    """The forward and backward CUDA graphs of one layer's dispatch, experts and combine.
+
+    Args:
+        dispatcher: a ``SymmetricMemoryDispatcher`` with a row budget.
+        experts: the layer's routed experts (their weights must not move, see ``_check_weights``).
+    """
+
+    _pools: ClassVar[dict[int, Any]] = {}
+    _streams: ClassVar[dict[int, torch.cuda.Stream]] = {}
+    #: Per device, the layers whose backward replayed since the last forward replay: their weights'
+    #: ``.grad`` may still be their graph's buffer (see ``_release_grads``).
+    _replayed_backward: ClassVar[dict[int, weakref.WeakValueDictionary[int, LayerGraphs]]] = {}
+
+    def __init__(self, dispatcher: Any, experts: RoutedExperts) -> None:
+        if getattr(dispatcher, "budget", None) is None:
+            raise ValueError(
+                "MoEConfig.cuda_graphs=True needs the static plan: symmetric_memory_dispatch=True and "
+                "max_tokens_per_rank set."
+            )
+        self.dispatcher, self.experts = dispatcher, experts
+        self.calls = 0
+        self.device = -1  # the CUDA device index, from the capture
+        self.fwd: torch.cuda.CUDAGraph | None = None
+        self.bwd: torch.cuda.CUDAGraph | None = None
+        self._token: weakref.ref[_Pending] | None = None  # the last replayed forward's
+        self._key: tuple[Any, ...] | None = None
+        self._static: list[torch.Tensor] = []  # x_TH, ids_TK, weights_TK, then the weights' local shards
+        self._writable: list[torch.Tensor] = []  # the first three, written before each replay
+        self._outputs: tuple[torch.Tensor, ...] = ()  # out_TH, counts_E, loads_D
+        self._grad_out: torch.Tensor | None = None
+        self._grads: list[torch.Tensor | None] = []
+        self._pointers: list[int] = []
+
+    @property
+    def pending(self) -> bool:
+        """Whether the last replayed forward's autograd graph is alive and its backward has not run."""
+        token = self._token() if self._token is not None else None
+        return token is not None and not token.done
+
+    def applies(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> bool:
+        """Whether this call replays the graphs; ``False``: the caller runs the layer eagerly."""
+        if not (torch.is_grad_enabled() and x_TH.is_cuda) or self.pending:
+            return False
+        key = _key(x_TH, expert_ids_TK, weights_TK, self._weights())
+        if not any(key[-1]):  # nothing needs a gradient
+            return False
+        if self.fwd is not None:
+            return key == self._key
+        self.calls += 1
+        return self.calls > WARMUP
+
+    def __call__(
+        self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out_TH`` and the tokens per expert ``counts_E``, as the eager layer computes them."""
+        weights = [local_tensor(p) for p in self._weights()]
+        budget = self.dispatcher.budget
+        if budget.raise_at_dispatch:
+            budget.check(wait=False)
+        if self.fwd is None:
+            self._capture_forward(x_TH, expert_ids_TK, weights_TK, weights)
+        out_TH, counts_E = _Replay.apply(self, x_TH, expert_ids_TK, weights_TK, *weights)
+        budget.note(self._outputs[2])
+        return out_TH, counts_E
+
+    # ------------------------------------------------------------------------ replay
+
+    def replay_forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_weights(inputs[3:])
+        replayed = LayerGraphs._replayed_backward.pop(self.device, None)
+        for graphs in list(replayed.values()) if replayed is not None else []:
+            graphs._release_grads()
+        with torch.no_grad():
+            for static, value in zip(self._writable, inputs[:3], strict=True):
+                static.copy_(value)
+        assert self.fwd is not None
+        self.fwd.replay()
+        out_TH, counts_E, _ = self._outputs
+        return out_TH.clone(), counts_E.clone()
+
+    def replay_backward(self, grad_out_TH: torch.Tensor | None) -> list[torch.Tensor | None]:
+        if self.bwd is None:
+            self._capture_backward()
+        assert self._grad_out is not None and self.bwd is not None
+        if grad_out_TH is None:
+            self._grad_out.zero_()
+        else:
+            self._grad_out.copy_(grad_out_TH)
+        self.bwd.replay()
+        LayerGraphs._replayed_backward.setdefault(self.device, weakref.WeakValueDictionary())[id(self)] = self
+        return self._grads
+
+    def _release_grads(self) -> None:
+        """Copy out a weight's ``.grad`` that is still the backward graph's buffer. Any layer's next
+        forward replay may reuse that pool memory for its temporaries (the graphs share one pool), so
+        every forward replay first releases the gradients of the backwards replayed before it: after
+        ``zero_grad(set_to_none=True)`` there is nothing to copy; under gradient accumulation (or
+        ``set_to_none=False``) the gradient is copied once."""
+        for p, grad in zip(self._weights(), self._grads[3:], strict=True):
+            if grad is not None and p.grad is not None and local_tensor(p.grad).data_ptr() == grad.data_ptr():
+                p.grad = p.grad.clone()
+
+    def release(self) -> None:
+        """Drop the graphs and their buffers (a later training call captures anew after its warm-up).
+        A process must do this before ``torch.distributed.destroy_process_group``: NCCL does not tear
+        down a communicator that a live graph still launches on (``ExpertParallelStrategy.teardown``
+        does it; elsewhere ``MoELayer.release_graphs``)."""
+        if self.fwd is not None:
+            torch.cuda.synchronize()
+        self.fwd = self.bwd = None
+        self._static, self._writable, self._outputs, self._grads = [], [], (), []
+        self._grad_out, self._key, self._token, self.calls = None, None, None, 0
+        replayed = LayerGraphs._replayed_backward.get(self.device)
+        if replayed is not None:
+            replayed.pop(id(self), None)
+
+    # ------------------------------------------------------------------------ capture
+
+    def _weights(self) -> list[nn.Parameter]:
+        return list(self.experts.parameters())
+
+    def _check_weights(self, weights: tuple[torch.Tensor, ...]) -> None:
+        if [w.data_ptr() for w in weights] != self._pointers:
+            raise RuntimeError(
+                "MoEConfig.cuda_graphs=True: the experts' weights moved in memory since their CUDA graphs were "
+                "captured (assigned anew, or gathered by FSDP2 each step), so the graphs would read stale "
+                "memory. Keep the experts outside FSDP2 (expert-parallel degree = world size) and update their "
+                "weights in place, or set cuda_graphs=False."
+            )
+
+    def _core(
+        self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, weights: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dispatched, loads_D = self.dispatcher.dispatch_static(x_TH, ids_TK)
+        names = [name for name, _ in self.experts.named_parameters()]
+        y_MH = torch.func.functional_call(
+            self.experts, dict(zip(names, weights, strict=True)), (dispatched.x_MH, dispatched.counts_L, None)
+        )
+        out_TH = self.dispatcher.combine(y_MH, weights_TK, dispatched)
+        return out_TH, dispatched.tokens_per_expert_E, loads_D
+
+    def _capture_forward(
+        self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, weights: list[torch.Tensor]
+    ) -> None:
+        dtype = self.experts.compute_dtype
+        gemm_local = [  # what the GEMMs multiply (on the meta device: only dtypes and shapes matter)
+            local_tensor(w).detach().to(device="meta", dtype=dtype or w.dtype)
+            for w in (getattr(self.experts, name, None) for name in ("gate_up_proj", "down_proj"))
+            if w is not None
+        ]
+        if self.experts.use_grouped_mm is False or not grouped_mm_supported(x_TH, *gemm_local):
+            raise ValueError(
+                "MoEConfig.cuda_graphs=True needs the experts' grouped GEMM (bf16 or fp16 rows and weights on CUDA, "
+                f"use_grouped_mm not False), but the rows are {x_TH.dtype} and the weights "
+                f"{[w.dtype for w in gemm_local]}: the per-expert loop reads the counts on the host, which a graph "
+                "cannot. Train in bf16 (precision='bf16-true' or 'bf16-mixed') or set cuda_graphs=False."
+            )
+        self._key = _key(x_TH, ids_TK, weights_TK, self._weights())
+        # ``.data``: aliases with a version counter of their own. The capture's autograd graph saves the
+        # inputs at version 0; the replays' writes into them, and the optimizer's into the weights, must
+        # not count as changes before the backward's capture checks those versions.
+        self._static = [t.detach().clone().data.requires_grad_(t.requires_grad) for t in (x_TH, ids_TK, weights_TK)]
+        self._static += [w.data.requires_grad_(w.requires_grad) for w in weights]
+        self._writable = [t.data for t in self._static[:3]]
+        self._pointers = [w.data_ptr() for w in weights]
+        self.device = x_TH.device.index
+        self.fwd = torch.cuda.CUDAGraph()
+        with torch.enable_grad(), self._capturing(self.fwd):
+            self._outputs = self._core(self._static[0], self._static[1], self._static[2], self._static[3:])
+
+    def _capture_backward(self) -> None:
+        out_TH = self._outputs[0]
+        self._grad_out = torch.zeros_like(out_TH)
+        needs = [i for i, t in enumerate(self._static) if t.requires_grad]
+        self.bwd = torch.cuda.CUDAGraph()
+        with self._capturing(self.bwd):
+            grads = torch.autograd.grad(out_TH, [self._static[i] for i in needs], self._grad_out, allow_unused=True)
+        self._grads = [None] * len(self._static)
+        for i, grad in zip(needs, grads, strict=True):
+            self._grads[i] = grad
+        self._outputs = (out_TH.detach(), *self._outputs[1:])  # frees the capture's autograd graph
+
+    def _capturing(self, graph: torch.cuda.CUDAGraph) -> Any:
+        device = torch.cuda.current_device()
+        if device not in LayerGraphs._pools:
+            LayerGraphs._pools[device] = torch.cuda.graph_pool_handle()
+            LayerGraphs._streams[device] = torch.cuda.Stream()
+        # thread_local: NCCL's watchdog thread may query its events while this thread captures.
+        return torch.cuda.graph(
+            graph,
+            pool=LayerGraphs._pools[device],
+            stream=LayerGraphs._streams[device],
+            capture_error_mode="thread_local",
+        )
+
+
+def _key(
+    x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, weights: list[nn.Parameter]
+) -> tuple[Any, ...]:
+    tensors = (x_TH, ids_TK, weights_TK, *weights)
+    return (
+        tuple((t.shape, t.dtype, t.device) for t in (x_TH, ids_TK, weights_TK)),
+        tuple(t.requires_grad for t in tensors),
+    )
+
+
+class _Pending:
+    """Held by a replayed forward's autograd node; the layer holds a weak reference. The forward is
+    pending until its backward has run or its autograd graph was dropped."""
+
+    __slots__ = ("__weakref__", "done")
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, graphs: LayerGraphs, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out_TH, counts_E = graphs.replay_forward(inputs)
+        ctx.graphs, ctx.token = graphs, _Pending()
+        graphs._token = weakref.ref(ctx.token)
+        ctx.mark_non_differentiable(counts_E)
+        return out_TH, counts_E
+
+    @staticmethod
+    def backward(ctx: Any, grad_out_TH: torch.Tensor | None, _grad_counts: Any) -> tuple[Any, ...]:
+        if ctx.token.done:
+            raise RuntimeError(
+                "MoEConfig.cuda_graphs=True: a second backward through the same forward (retain_graph=True) cannot "
+                "replay the backward graph, whose buffers the first backward reused; set cuda_graphs=False."
+            )
+        ctx.token.done = True
+        return (None, *ctx.graphs.replay_backward(grad_out_TH))

@@ -1,0 +1,174 @@
+"""Workers for ``MoEConfig.cuda_graphs`` (2 GPUs, NCCL; ``tests/gpu/test_cuda_graphs.py``; on the
+CPU only the refusal of FSDP2-sharded experts, ``tests/distributed/test_symm_dispatch.py``).
+
+The graphs replay the eager kernels on the same values, so every comparison here is bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from conftest import count_syncs  # tests/ is on sys.path under pytest, also in spawned workers
+from torch import nn
+
+from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
+from lightning_ep.moe.experts import local_tensor
+from lightning_ep.moe.graphs import WARMUP
+
+
+def _config(budget: int, graphs: bool, balancing: str = "none") -> MoEConfig:
+    return MoEConfig(
+        moe_load_balancing=balancing,  # type: ignore[arg-type]
+        symmetric_memory_dispatch=True,
+        max_tokens_per_rank=budget,
+        cuda_graphs=graphs,
+    )
+
+
+def _local_grads(model: nn.Module) -> list[torch.Tensor]:
+    return [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
+
+
+def _assert_equal(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    assert len(got) == len(want), (what, len(got), len(want))
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.shape == b.shape and torch.equal(a, b), (what, i, (a.float() - b.float()).abs().max())
+
+
+def run_model_matches_eager(rank: int, world: int) -> None:
+    """A 3-layer Mixtral under FSDP2 (experts outside it, degree = world), AdamW, with and without
+    ``cuda_graphs``: the same losses and gradients, bit for bit, over six steps (one of two
+    accumulated micro-batches, one with two forwards before a single backward), and the same
+    logits in evaluation; the graphs are captured in step ``WARMUP`` and reused after; a weight
+    assigned anew is refused."""
+    from workers import BATCH, SEQ, micro_batch, tiny_mixtral
+
+    import lightning_ep
+
+    device = torch.device("cuda", rank)
+    mesh = lightning_ep.init_mesh(world, device_type="cuda")
+    budget = 2 * world * BATCH * SEQ  # every row of the group on one rank: never over budget
+    models, optimizers = [], []
+    for graphs in (False, True):
+        model = tiny_mixtral(num_hidden_layers=3).to(device=device, dtype=torch.bfloat16)
+        lightning_ep.transform(model, _config(budget, graphs, "aux_loss"), mesh=mesh)
+        lightning_ep.shard_model(model, mesh)
+        models.append(model)
+        optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
+    layers = lightning_ep.moe_layers(models[1])
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[list[torch.Tensor]]) -> list:
+        losses = []
+        for group in batches:  # micro-batches; a group of two is two forwards before one backward
+            group_losses = [model(input_ids=ids, labels=ids).loss for ids in group]
+            sum(group_losses).backward()  # type: ignore[union-attr]
+            losses += [loss.detach() for loss in group_losses]
+        grads = [g.clone() for g in _local_grads(model)]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return [*losses, *grads]
+
+    schedule = {4: "accumulate", 5: "two forwards"}
+    for i in range(7):
+        ids = micro_batch(i, rank).to(device)
+        more = micro_batch(100 + i, rank).to(device)
+        batches = {"accumulate": [[ids], [more]], "two forwards": [[ids, more]]}.get(schedule.get(i, ""), [[ids]])
+        want = step(models[0], optimizers[0], batches)
+        got = step(models[1], optimizers[1], batches)
+        _assert_equal(got, want, f"step {i} ({schedule.get(i, 'plain')})")
+        captured = all(layer._layer_graphs is not None and layer._layer_graphs.bwd is not None for layer in layers)
+        assert captured == (i >= WARMUP), (i, captured)
+        # A layer's forward still pending after its step would leave the next one eager.
+        assert not any(layer._layer_graphs.pending for layer in layers), i  # type: ignore[union-attr]
+
+    for model in models:
+        model.eval()
+    ids = micro_batch(50, rank).to(device)
+    with torch.no_grad():
+        logits = [model(input_ids=ids).logits for model in models]
+    assert torch.equal(logits[0], logits[1])
+
+    models[1].train()
+    experts = layers[0].experts
+    experts.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach().clone())
+    try:
+        models[1](input_ids=ids, labels=ids).loss.backward()
+    except RuntimeError as error:
+        assert "the experts' weights moved in memory" in str(error), error
+    else:
+        raise AssertionError("a graph ran on weights assigned after its capture")
+    for layer in layers:  # before the harness destroys the process group (see LayerGraphs.release)
+        layer.release_graphs()
+        assert layer._layer_graphs is None
+
+
+def _layer(budget: int, graphs: bool, device: torch.device) -> MoELayer:
+    g = torch.Generator().manual_seed(0)
+    H, I, E, K = 128, 64, 8, 2  # noqa: E741
+    gate = TopKRouter(nn.Parameter(torch.randn(E, H, generator=g) * H**-0.5), top_k=K, mode="none")
+    w1 = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) * 0.1)
+    w2 = nn.Parameter(torch.randn(E, H, I, generator=g) * 0.1)
+    layer = MoELayer(gate, GroupedExperts(w1, w2, F.silu), _config(budget, graphs))
+    return layer.to(device=device, dtype=torch.bfloat16).train()
+
+
+def run_layer_replays_without_syncs(rank: int, world: int) -> None:
+    """One layer: after its capture a forward + backward makes no host sync, and its output, input
+    gradient, weight gradients and tokens per expert equal the eager layer's; a gradient of the
+    graph's weights left in ``.grad`` from an earlier backward is accumulated into, not overwritten."""
+    import lightning_ep
+    from lightning_ep.parallel.expert import parallelize_moe_layers
+
+    device = torch.device("cuda", rank)
+    mesh = lightning_ep.init_mesh(world, device_type="cuda")
+    T = 256
+    layers = []
+    for graphs in (False, True):
+        layer = _layer(2 * world * T, graphs, device)
+        parallelize_moe_layers(nn.ModuleDict({"moe": layer}), mesh)
+        layers.append(layer)
+    g = torch.Generator(device=device).manual_seed(rank)
+
+    def fwd_bwd(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        out = layer(x)
+        out.backward(grad)
+        return out
+
+    for i in range(WARMUP + 3):
+        x = torch.randn(T, 128, generator=g, device=device).to(torch.bfloat16)
+        grad = torch.randn(T, 128, generator=g, device=device).to(torch.bfloat16)
+        results = []
+        for layer in layers:
+            xi = x.clone().requires_grad_(True)
+            out = fwd_bwd(layer, xi, grad)
+            if i == WARMUP + 1:  # accumulate a second backward into the same .grad
+                out = fwd_bwd(layer, xi, grad)
+            results.append([out.detach(), xi.grad, layer.tokens_per_expert, *_local_grads(layer)])
+            layer.zero_grad(set_to_none=True)
+        _assert_equal(results[1], results[0], f"call {i}")
+
+    x = torch.randn(T, 128, generator=g, device=device).to(torch.bfloat16).requires_grad_(True)
+    graphed = layers[1]
+    assert graphed._layer_graphs is not None and graphed._layer_graphs.bwd is not None
+    syncs = count_syncs(lambda: fwd_bwd(graphed, x, torch.ones_like(x)))
+    assert syncs == 0, syncs
+    graphed.release_graphs()
+
+
+def run_sharded_experts_refuse_graphs(rank: int, world: int) -> None:
+    """Experts with expert-data-parallel ranks are gathered by FSDP2 every step, so their weights
+    move: ``shard_model`` refuses ``cuda_graphs`` with the fix, before any step (gloo, degree 1)."""
+    from workers import tiny_mixtral
+
+    import lightning_ep
+
+    mesh = lightning_ep.init_mesh(1, device_type="cpu")  # two expert-data-parallel ranks
+    model = tiny_mixtral()
+    lightning_ep.transform(model, _config(128, True), mesh=mesh)
+    try:
+        lightning_ep.shard_model(model, mesh)
+    except ValueError as error:
+        assert "MoEConfig.cuda_graphs=True needs the experts' weights to stay in place" in str(error), error
+        assert "2 expert-data-parallel ranks" in str(error) and "cuda_graphs=False" in str(error), error
+    else:
+        raise AssertionError("shard_model let FSDP2 gather experts that CUDA graphs read in place")
