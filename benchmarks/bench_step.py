@@ -237,6 +237,8 @@ def summarize_profile(prof: Any, wall_ms: float) -> dict[str, float]:
     for event in prof.key_averages():
         if event.device_type != DeviceType.CUDA:  # CPU ops would count their kernels twice
             continue
+        if getattr(event, "is_user_annotation", False):  # a host range's GPU span (with CPU activity on)
+            continue
         us = float(getattr(event, "self_device_time_total", 0.0) or 0.0)
         if us <= 0:
             continue
