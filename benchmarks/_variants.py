@@ -9,7 +9,17 @@ from typing import Any
 
 import torch
 
-from lightning_ep.moe import GroupedExperts, combine, dispatch, dispatch_ep, experts, swiglu
+from lightning_ep.moe import (
+    GroupedExperts,
+    combine,
+    dispatch,
+    dispatch_ep,
+    dispatch_symm,
+    experts,
+    grouped_mlp,
+    swiglu,
+    symm_pull,
+)
 from lightning_ep.parallel import compile as compiling
 from lightning_ep.parallel import fsdp
 
@@ -29,7 +39,10 @@ VARIANTS = (
     "session5",
     "reference",
     "serial-shared",
+    "padded-rows",
 )
+
+_SWIGLU, _SWIGLU_BACKWARD = swiglu.swiglu, swiglu.swiglu_backward
 
 
 def _bincount_sort(expert_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +70,20 @@ def _bmm_unsort(
     num_tokens, top_k = weights_TK.shape
     y_TKH = y_NH.index_select(0, inverse_N).view(num_tokens, top_k, -1)
     return torch.bmm(weights_TK.to(y_TKH.dtype).unsqueeze(1), y_TKH).squeeze(1)
+
+
+def _swiglu_every_row(h_NF: torch.Tensor, act_fn: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+    return _SWIGLU(h_NF, act_fn)
+
+
+def _swiglu_backward_every_row(
+    h_NF: torch.Tensor, grad_NI: torch.Tensor, act_fn: Any, scale: float, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _SWIGLU_BACKWARD(h_NF, grad_NI, act_fn, scale)
+
+
+def _copy_every_row(dst_MH: torch.Tensor, src_MH: torch.Tensor, src_M: torch.Tensor) -> None:
+    dst_MH.copy_(src_MH)
 
 
 def _sum_copies_by_gather(x_NH: torch.Tensor, inverse_N: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -87,7 +114,10 @@ def variant(name: str) -> Iterator[None]:
     - ``session5``: the last three together (the hot path as Session 5 left it);
     - ``reference``: all of the above (the code before these changes);
     - ``serial-shared``: nothing patched here; ``bench_layer`` sets the layer's
-      ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it).
+      ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it);
+    - ``padded-rows``: a static plan's padding rows copied into the symmetric buffer and run
+      through the SwiGLU kernels like the received ones, and rows pulled in blocks of 1024
+      elements (the symmetric-memory dispatch before Session 10).
     """
     patches: dict[str, Any] = {}
     if name in ("unfused-swiglu", "reference"):
@@ -114,7 +144,26 @@ def variant(name: str) -> Iterator[None]:
         patches |= {"sum_copies": _sum_copies_by_gather}
     if name in ("unfolded-scale", "session5", "reference"):
         patches |= {"fold_grad_scale": lambda *args: False}
-    modules = (combine, dispatch, dispatch_ep, experts, swiglu, GroupedExperts, fsdp, compiling)
+    if name == "padded-rows":
+        patches |= {
+            "swiglu": _swiglu_every_row,
+            "swiglu_backward": _swiglu_backward_every_row,
+            "copy_live_rows": _copy_every_row,
+            "MOVE_BLOCK_H": 1024,
+        }
+    modules = (
+        combine,
+        dispatch,
+        dispatch_ep,
+        dispatch_symm,
+        experts,
+        grouped_mlp,
+        swiglu,
+        symm_pull,
+        GroupedExperts,
+        fsdp,
+        compiling,
+    )
     saved = [(m, k, getattr(m, k)) for m in modules for k in patches if k in vars(m)]
     for module, key, _ in saved:
         setattr(module, key, patches[key])

@@ -40,7 +40,14 @@ import torch.distributed as dist
 
 from lightning_ep.moe.dispatch import Dispatched, block_of_rows, inverse_permutation, sort_by_expert
 from lightning_ep.moe.dispatch_ep import _check_budget, expert_layout
-from lightning_ep.moe.symm_pull import SymmetricWorkspace, pull_combine_backward, pull_rows, pull_sum, region_sizes
+from lightning_ep.moe.symm_pull import (
+    SymmetricWorkspace,
+    copy_live_rows,
+    pull_combine_backward,
+    pull_rows,
+    pull_sum,
+    region_sizes,
+)
 
 
 class PullPlan(NamedTuple):
@@ -316,7 +323,7 @@ class _PullDispatch(torch.autograd.Function):
     def backward(ctx: Any, grad_MH: torch.Tensor) -> tuple[Any, ...]:
         plan, ws = ctx.plan, ctx.ws
         grad_MH = grad_MH.contiguous()
-        ws.region("rows", tuple(grad_MH.shape), grad_MH.dtype).copy_(grad_MH)
+        _offer_rows(ws, grad_MH, plan)
         ws.barrier()
         grad_TH = grad_MH.new_empty((ctx.tokens, grad_MH.shape[1]))
         pull_sum(ws, ws.at["rows"], plan.src_TK, plan.row_TK, None, grad_TH)
@@ -331,7 +338,7 @@ class _PullCombine(torch.autograd.Function):
     def forward(
         ctx: Any, y_MH: torch.Tensor, weights_TK: torch.Tensor, plan: PullPlan, ws: SymmetricWorkspace
     ) -> torch.Tensor:
-        ws.region("rows", tuple(y_MH.shape), y_MH.dtype).copy_(y_MH)
+        _offer_rows(ws, y_MH, plan)
         ws.barrier()
         out_TH = y_MH.new_empty((weights_TK.shape[0], y_MH.shape[1]))
         pull_sum(ws, ws.at["rows"], plan.src_TK, plan.row_TK, weights_TK, out_TH)
@@ -356,3 +363,13 @@ class _PullCombine(torch.autograd.Function):
         grad_w_N1 = torch.empty((N, 1), dtype=torch.float32, device=y_MH.device)
         pull_sum(ws, ws.at["grad_w"], plan.src_TK.view(N, 1), plan.row_TK.view(N, 1), None, grad_w_N1)
         return grad_y_MH, grad_w_N1.view(weights_TK.shape).to(weights_TK.dtype), None, None
+
+
+def _offer_rows(ws: SymmetricWorkspace, x_MH: torch.Tensor, plan: PullPlan) -> None:
+    """Put this rank's rows ``[M, H]`` in its region ``rows``; of a static plan's ``R`` rows only the
+    received ones (its padding rows are never pulled)."""
+    region = ws.region("rows", tuple(x_MH.shape), x_MH.dtype)
+    if plan.counts_host is None:  # padded to the row budget
+        copy_live_rows(region, x_MH, plan.src_M)
+    else:
+        region.copy_(x_MH)

@@ -44,6 +44,8 @@ def grouped_mlp(
     Args:
         x_NH: rows sorted by expert; the same dtype as the weights.
         offsets_L: int32 inclusive prefix sums of the rows per expert (``grouped_mm``'s ``offs``).
+            Rows past the last offset (a static plan's padding) are left out by the SwiGLU as by
+            the GEMMs: their outputs and gradients are unspecified.
         w1_LFH: ``[L, 2I, H]``, gate rows then up rows.
         w2_LHI: ``[L, H, I]``.
         act_fn: the gate's activation (the fused kernel for SiLU on CUDA).
@@ -62,7 +64,7 @@ def grouped_mlp_forward(
     """``(h_NF, y_NH)``: the first GEMM's output and the MLP's, under whatever autograd mode is on."""
     assert GROUPED_MM is not None
     h_NF = GROUPED_MM(x_NH, w1_LFH.transpose(-2, -1), offs=offsets_L)
-    a_NI = swiglu(h_NF, act_fn)  # a fused kernel for SiLU on CUDA
+    a_NI = swiglu(h_NF, act_fn, offsets_L[-1:])  # a fused kernel for SiLU on CUDA; rows past the GEMMs' left out
     return h_NF, GROUPED_MM(a_NI, w2_LHI.transpose(-2, -1), offs=offsets_L)
 
 
@@ -90,7 +92,7 @@ class _GroupedMLP(torch.autograd.Function):
         grad_NH = grad_NH.contiguous()
         grad_NI = GROUPED_MM(grad_NH, w2_LHI, offs=offsets_L)
         scale = ctx.grad_scale if need_w1 or need_w2 else 1.0
-        grad_NF, scaled_grad_NF, scaled_a_NI = swiglu_backward(h_NF, grad_NI, ctx.act_fn, scale)
+        grad_NF, scaled_grad_NF, scaled_a_NI = swiglu_backward(h_NF, grad_NI, ctx.act_fn, scale, offsets_L[-1:])
         # Weight gradients: the K dimension (rows) is grouped, one [F, H] / [H, I] block per expert.
         grad_w1 = GROUPED_MM(scaled_grad_NF.t(), x_NH, offs=offsets_L) if need_w1 else None
         grad_w2 = GROUPED_MM(grad_NH.t(), scaled_a_NI, offs=offsets_L) if need_w2 else None

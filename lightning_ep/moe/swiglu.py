@@ -37,36 +37,53 @@ def fused_swiglu_available(h_NF: torch.Tensor) -> bool:
     return h_NF.is_cuda and _triton() is not None
 
 
-def swiglu(h_NF: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``act_fn(h[:, :I]) * h[:, I:]``; the fused kernel when ``act_fn`` is SiLU on CUDA."""
+def swiglu(
+    h_NF: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``act_fn(h[:, :I]) * h[:, I:]``; the fused kernel when ``act_fn`` is SiLU on CUDA.
+
+    ``rows``: a one-element integer tensor on ``h``'s device; the fused kernel then leaves the rows
+    at or past ``rows[0]`` out (their outputs, here and in the backward, are unspecified), without a
+    host sync. The grouped GEMMs pass their last offset: past it are a static plan's padding rows,
+    which no GEMM reads or writes either.
+    """
     if is_silu(act_fn) and fused_swiglu_available(h_NF):
-        return _FusedSwiGLU.apply(h_NF)
+        return _FusedSwiGLU.apply(h_NF, rows)
     gate_NI, up_NI = h_NF.chunk(2, dim=-1)
     return act_fn(gate_NI) * up_NI
 
 
 def swiglu_backward(
-    h_NF: torch.Tensor, grad_NI: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor], scale: float
+    h_NF: torch.Tensor,
+    grad_NI: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    scale: float,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of ``a = swiglu(h)`` for a caller that multiplies weight gradients by ``scale``.
 
     Returns ``grad_h`` (``[N, F]``), ``scale * grad_h`` and ``scale * a`` (``[N, I]``, ``a``
     recomputed from ``h``), each computed in fp32 (the kernel) and rounded once; with ``scale == 1``
     the second and third are ``grad_h`` and ``a``. The fused kernel for SiLU on CUDA, ``act_fn``
-    under autograd on a copy of ``h`` elsewhere.
+    under autograd on a copy of ``h`` elsewhere. ``rows``: as in ``swiglu``.
     """
     if is_silu(act_fn) and fused_swiglu_available(h_NF):
         kernels = _triton()
         h_NF, grad_NI = h_NF.contiguous(), grad_NI.contiguous()
-        rows, width = h_NF.shape[0], h_NF.shape[1] // 2
+        count, width = h_NF.shape[0], h_NF.shape[1] // 2
         grad_NF = torch.empty_like(h_NF)
         scaled = scale != 1.0
         scaled_NF = torch.empty_like(h_NF) if scaled else grad_NF
-        a_NI = h_NF.new_empty((rows, width))
-        if rows:
-            grid = (rows, -(-width // _BLOCK))
+        a_NI = h_NF.new_empty((count, width))
+        if count:
+            grid = (count, -(-width // _BLOCK))
             kernels.backward[grid](
-                h_NF, grad_NI, grad_NF, scaled_NF, a_NI, scale, I=width, BLOCK=_BLOCK, WRITE_A=True, SCALED=scaled
+                *(h_NF, grad_NI, grad_NF, scaled_NF, a_NI, scale, _limit(rows, h_NF)),
+                I=width,
+                BLOCK=_BLOCK,
+                WRITE_A=True,
+                SCALED=scaled,
+                LIMITED=rows is not None,
             )
         return grad_NF, scaled_NF, a_NI
     with torch.enable_grad():
@@ -82,36 +99,59 @@ def swiglu_backward(
 
 class _FusedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h_NF: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, h_NF: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         kernels = _triton()
         h_NF = h_NF.contiguous()
-        rows, width = h_NF.shape[0], h_NF.shape[1] // 2
-        a_NI = h_NF.new_empty((rows, width))
-        if rows:
-            kernels.forward[(rows, -(-width // _BLOCK))](h_NF, a_NI, I=width, BLOCK=_BLOCK)
+        count, width = h_NF.shape[0], h_NF.shape[1] // 2
+        a_NI = h_NF.new_empty((count, width))
+        if count:
+            kernels.forward[(count, -(-width // _BLOCK))](
+                h_NF, a_NI, _limit(rows, h_NF), I=width, BLOCK=_BLOCK, LIMITED=rows is not None
+            )
         ctx.save_for_backward(h_NF)
+        ctx.rows = rows
         return a_NI
 
     @staticmethod
     def backward(ctx: Any, grad_NI: torch.Tensor) -> tuple[Any, ...]:
         kernels = _triton()
         (h_NF,) = ctx.saved_tensors
-        rows, width = h_NF.shape[0], h_NF.shape[1] // 2
+        count, width = h_NF.shape[0], h_NF.shape[1] // 2
         grad_NI = grad_NI.contiguous()
         grad_NF = torch.empty_like(h_NF)
-        if rows:
-            kernels.backward[(rows, -(-width // _BLOCK))](
-                h_NF, grad_NI, grad_NF, grad_NF, h_NF, 1.0, I=width, BLOCK=_BLOCK, WRITE_A=False, SCALED=False
+        if count:
+            kernels.backward[(count, -(-width // _BLOCK))](
+                *(h_NF, grad_NI, grad_NF, grad_NF, h_NF, 1.0, _limit(ctx.rows, h_NF)),
+                I=width,
+                BLOCK=_BLOCK,
+                WRITE_A=False,
+                SCALED=False,
+                LIMITED=ctx.rows is not None,
             )
-        return (grad_NF,)
+        return grad_NF, None
+
+
+def _limit(rows: torch.Tensor | None, h_NF: torch.Tensor) -> torch.Tensor:
+    """The kernels' ``rows_ptr`` argument (never read without ``LIMITED``)."""
+    if rows is None:
+        return h_NF
+    if rows.numel() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.device != h_NF.device:
+        raise ValueError(
+            f"swiglu: rows must be a one-element int32 or int64 tensor on {h_NF.device}, got {rows.dtype} "
+            f"{list(rows.shape)} on {rows.device}."
+        )
+    return rows
 
 
 def _build_kernels(triton: Any, tl: Any) -> Any:
     @triton.jit
-    def swiglu_forward(h_ptr, a_ptr, I: tl.constexpr, BLOCK: tl.constexpr):  # noqa: E741
+    def swiglu_forward(h_ptr, a_ptr, rows_ptr, I: tl.constexpr, BLOCK: tl.constexpr, LIMITED: tl.constexpr):  # noqa: E741
+        # One program per (row, block of I); with LIMITED, rows at or past rows_ptr[0] do nothing.
         n = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < I
+        if LIMITED:
+            mask = mask & (n < tl.load(rows_ptr))
         gate = tl.load(h_ptr + n * (2 * I) + offs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + n * (2 * I) + I + offs, mask=mask, other=0.0).to(tl.float32)
         silu = gate / (1.0 + tl.exp(-gate))
@@ -125,16 +165,20 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         sgh_ptr,
         sa_ptr,
         scale,
+        rows_ptr,
         I: tl.constexpr,  # noqa: E741
         BLOCK: tl.constexpr,
         WRITE_A: tl.constexpr,
         SCALED: tl.constexpr,
+        LIMITED: tl.constexpr,
     ):
         # d/d gate = g * up * sig * (1 + gate * (1 - sig)); d/d up = g * silu(gate). With SCALED also
         # scale * grad_h (sgh); with WRITE_A also (scale *) a, computed as the forward computes it.
         n = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < I
+        if LIMITED:
+            mask = mask & (n < tl.load(rows_ptr))
         gate = tl.load(h_ptr + n * (2 * I) + offs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + n * (2 * I) + I + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + n * I + offs, mask=mask, other=0.0).to(tl.float32)

@@ -2,8 +2,9 @@
 
 Every rank of an expert-parallel group maps one buffer (``SymmetricWorkspace``) of every other
 rank into its own address space (``torch.distributed._symmetric_memory``), so a kernel on rank
-``r`` can load a row that rank ``s`` wrote, over NVLink, with an ordinary load. The three Triton
+``r`` can load a row that rank ``s`` wrote, over NVLink, with an ordinary load. The three pull
 kernels here gather rows that way; ``lightning_ep.moe.dispatch_symm`` builds the dispatch on them.
+A fourth (``copy_live_rows``) puts a padded plan's rows into this rank's own buffer.
 
 One exchange is always: each rank writes its own buffer, ``barrier()`` (a device-side barrier on
 the current stream: no host sync), each rank reads the others' buffers. No kernel here writes
@@ -32,6 +33,9 @@ from lightning_ep.moe.lazy_triton import lazy_kernels
 #: Elements of a row per program. Equal to ``combine._BLOCK_H``: the weight gradients' dot products
 #: then reduce in the same order as the fused combine's, so both give the same bits.
 BLOCK_H = 1024
+#: Elements per program of the kernels that only move rows (``pull_rows``, ``copy_live_rows``):
+#: 2048 pulls 5% faster than 1024 at H = 2048 on H200 (``benchmarks/RESULTS.md``, Session 10).
+MOVE_BLOCK_H = 2048
 _ALIGN = 256
 _GROWTH = 1.25
 
@@ -160,10 +164,20 @@ def pull_rows(
     Rows with ``src[m] = -1`` (padding) are left as they are."""
     rows, hidden = out_MH.shape
     if rows and hidden:
-        grid = (rows, -(-hidden // BLOCK_H))
+        grid = (rows, -(-hidden // MOVE_BLOCK_H))
         _triton().pull_rows[grid](
-            ws.bases, tokens_at, order_at, src_M, pos_M, out_MH, H=hidden, K=top_k, BLOCK_H=BLOCK_H
+            ws.bases, tokens_at, order_at, src_M, pos_M, out_MH, H=hidden, K=top_k, BLOCK_H=MOVE_BLOCK_H
         )
+
+
+def copy_live_rows(dst_MH: torch.Tensor, src_MH: torch.Tensor, src_M: torch.Tensor) -> None:
+    """``dst[m] = src[m]`` for the rows with ``src_M[m] >= 0``; a static plan's padding rows (source
+    -1, the last ``R - M`` of its ``R``) are neither read nor written. Into this rank's own region,
+    before the barrier that offers it to the other ranks: a padded plan copies ``M`` rows, not ``R``."""
+    rows, hidden = src_MH.shape
+    if rows and hidden:
+        grid = (rows, -(-hidden // MOVE_BLOCK_H))
+        _triton().copy_live_rows[grid](src_M, src_MH, dst_MH, H=hidden, BLOCK_H=MOVE_BLOCK_H)
 
 
 def pull_sum(
@@ -256,6 +270,13 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         tl.store(out_ptr + m * H + offs, x, mask=mask)
 
     @triton.jit
+    def copy_live_rows_kernel(src_ptr, x_ptr, out_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+        m = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (offs < H) & (tl.load(src_ptr + m) >= 0)
+        tl.store(out_ptr + m * H + offs, tl.load(x_ptr + m * H + offs, mask=mask), mask=mask)
+
+    @triton.jit
     def pull_sum_kernel(
         bases_ptr,
         rows_at,
@@ -322,6 +343,7 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
 
     class Kernels:
         pull_rows = pull_rows_kernel
+        copy_live_rows = copy_live_rows_kernel
         pull_sum = pull_sum_kernel
         pull_combine_backward = pull_combine_backward_kernel
 

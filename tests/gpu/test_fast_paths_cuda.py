@@ -190,7 +190,7 @@ def test_fused_swiglu_equals_torch_on_cuda(dtype, N, I):  # noqa: E741
     results = []
     for fused in (True, False):
         hr = h.clone().requires_grad_(True)
-        a = swiglu._FusedSwiGLU.apply(hr) if fused else F.silu(hr[:, :I]) * hr[:, I:]
+        a = swiglu._FusedSwiGLU.apply(hr, None) if fused else F.silu(hr[:, :I]) * hr[:, I:]
         a.backward(up)
         results.append((a, hr.grad))
     (a_f, g_f), (a_t, g_t) = results
@@ -229,13 +229,20 @@ def test_swiglu_backward_kernel_writes_scaled_copies_bitwise_on_cuda(scale, N, I
     h = (torch.randn(N, 2 * I, generator=g, device=CUDA) * 3).bfloat16()
     up = torch.randn(N, I, generator=g, device=CUDA).bfloat16()
     hr = h.clone().requires_grad_(True)
-    a = swiglu._FusedSwiGLU.apply(hr)
+    a = swiglu._FusedSwiGLU.apply(hr, None)
     a.backward(up)
     grad_h, scaled_grad_h, scaled_a = swiglu.swiglu_backward(h, up, F.silu, scale)
     assert torch.equal(grad_h, hr.grad)  # the same gradient as the autograd kernel
     assert torch.equal(scaled_a, a.detach() * scale)  # a recomputed exactly as the forward computes it
     assert torch.equal(scaled_grad_h, hr.grad * scale)
     assert (scaled_grad_h is grad_h) == (scale == 1.0)
+    # A row limit (a static plan's padding past the GEMMs' last offset): the rows before it the same bits.
+    rows = torch.tensor([N * 2 // 3], device=CUDA, dtype=torch.int32)
+    live = int(rows)
+    limited = swiglu.swiglu_backward(h, up, F.silu, scale, rows)
+    for got, want in zip(limited, (grad_h, scaled_grad_h, scaled_a), strict=True):
+        assert torch.equal(got[:live], want[:live])
+    assert torch.equal(swiglu.swiglu(h, F.silu, rows)[:live], a.detach()[:live])
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.5])

@@ -1,5 +1,5 @@
 """Run by ``tests/unit/test_dispatch_symm.py`` under Triton's CPU interpreter (``TRITON_INTERPRET=1``):
-the three symmetric-memory pull kernels (``lightning_ep.moe.symm_pull``) against torch references.
+the symmetric-memory pull kernels and ``copy_live_rows`` (``lightning_ep.moe.symm_pull``) against torch references.
 
 The ranks of a group are emulated in one process: each has a plain CPU buffer laid out like a
 ``SymmetricWorkspace`` (same regions, same offsets), and the kernels get the buffers' addresses as
@@ -136,7 +136,11 @@ for r in range(D):
     assert torch.isnan(out[~live]).all(), r
     y_pad = torch.full((B, H), float("nan"))
     y_pad[live] = y_M[r][: int(live.sum())]
-    region(r, "rows", B * H, torch.float32).copy_(y_pad.reshape(-1))
+    # Offered by copy_live_rows: the live rows copied, the padding rows' region left as it was.
+    offered = region(r, "rows", B * H, torch.float32).view(B, H)
+    offered.fill_(float("nan"))
+    symm_pull.copy_live_rows(offered, torch.where(live[:, None], y_pad, -7.0), src_M)
+    assert torch.equal(offered[live], y_pad[live]) and offered[~live].isnan().all(), r
 for s, rank in enumerate(ranks):
     src_TK, row_TK = padded[s][2:]
     out = torch.full((tokens[s], H), float("nan"))

@@ -264,11 +264,26 @@ for N, I in [(7, 100), (33, 768), (3, 1536)]:
     results = []
     for fused in (True, False):
         hr = h.clone().requires_grad_(True)
-        a = swiglu._FusedSwiGLU.apply(hr) if fused else torch.nn.functional.silu(hr[:, :I]) * hr[:, I:]
+        a = swiglu._FusedSwiGLU.apply(hr, None) if fused else torch.nn.functional.silu(hr[:, :I]) * hr[:, I:]
         a.backward(up)
         results.append((a, hr.grad))
     (a_f, g_f), (a_t, g_t) = results
     assert rel(a_f, a_t) < 1e-6 and rel(g_f, g_t) < 1e-6, (N, I, rel(a_f, a_t), rel(g_f, g_t))
+
+    # A row limit: the rows before it as without one, the rows from it on neither read nor written.
+    swiglu.fused_swiglu_available = lambda h: True  # the interpreter runs the kernels on CPU tensors
+    kernels = swiglu._triton()
+    for live in (0, N // 2, N):
+        rows = torch.tensor([live], dtype=torch.int64 if live % 2 else torch.int32)
+        a_l = swiglu.swiglu(h, torch.nn.functional.silu, rows)
+        grad_l, scaled_l, sa_l = swiglu.swiglu_backward(h, up, torch.nn.functional.silu, 0.5, rows)
+        assert torch.equal(a_l[:live], a_f.detach()[:live]) and torch.equal(grad_l[:live], g_f[:live])
+        assert torch.equal(scaled_l[:live], g_f[:live] * 0.5) and torch.equal(sa_l[:live], a_f.detach()[:live] * 0.5)
+        out = torch.full((N, I), float("nan"))
+        poisoned = h.clone()
+        poisoned[live:] = float("inf")
+        kernels.forward[(N, -(-I // swiglu._BLOCK))](poisoned, out, rows, I=I, BLOCK=swiglu._BLOCK, LIMITED=True)
+        assert torch.equal(out[:live], a_f.detach()[:live]) and out[live:].isnan().all()
 print("ok")
 """
 
