@@ -15,7 +15,8 @@ launches each with one call:
 - the captured kernels are the eager ones, on the same values, so the results are the same bits;
 - all layers' graphs share one memory pool, captured in the order they replay (forwards in layer
   order, backwards in reverse), as ``torch.cuda.make_graphed_callables`` does; so a buffer one graph
-  leaves behind may hold another graph's temporaries by that graph's next replay;
+  leaves behind may hold another graph's temporaries by that graph's next replay (graphs captured
+  after all earlier ones were released start a new pool, see ``_shared_pool``);
 - a call runs eagerly whenever the graph's shapes, dtypes or ``requires_grad`` differ, grad is off
   (evaluation), or the layer's last replayed forward still awaits its backward (a second forward
   before the backward would overwrite the activations the graph keeps).
@@ -48,7 +49,9 @@ class LayerGraphs:
         experts: the layer's routed experts (their weights must not move, see ``_check_weights``).
     """
 
+    #: Per device, the memory pool the live graphs share, and the layers whose graphs live in it.
     _pools: ClassVar[dict[int, Any]] = {}
+    _members: ClassVar[dict[int, weakref.WeakSet[LayerGraphs]]] = {}
     _streams: ClassVar[dict[int, torch.cuda.Stream]] = {}
     #: Per device, the layers whose backward replayed since the last forward replay: their weights'
     #: ``.grad`` may still be their graph's buffer (see ``_release_grads``).
@@ -73,6 +76,7 @@ class LayerGraphs:
         self._grad_out: torch.Tensor | None = None
         self._grads: list[torch.Tensor | None] = []
         self._pointers: list[int] = []
+        self._pool: Any = None
 
     @property
     def pending(self) -> bool:
@@ -150,7 +154,7 @@ class LayerGraphs:
         does it; elsewhere ``MoELayer.release_graphs``)."""
         if self.fwd is not None:
             torch.cuda.synchronize()
-        self.fwd = self.bwd = None
+        self.fwd = self.bwd = self._pool = None
         self._static, self._writable, self._outputs, self._grads = [], [], (), []
         self._grad_out, self._key, self._token, self.calls = None, None, None, 0
         replayed = LayerGraphs._replayed_backward.get(self.device)
@@ -207,6 +211,7 @@ class LayerGraphs:
         self._writable = [t.data for t in self._static[:3]]
         self._pointers = [w.data_ptr() for w in weights]
         self.device = x_TH.device.index
+        self._pool = self._shared_pool()
         self.fwd = torch.cuda.CUDAGraph()
         with torch.enable_grad(), self._capturing(self.fwd):
             self._outputs = self._core(self._static[0], self._static[1], self._static[2], self._static[3:])
@@ -223,17 +228,23 @@ class LayerGraphs:
             self._grads[i] = grad
         self._outputs = (out_TH.detach(), *self._outputs[1:])  # frees the capture's autograd graph
 
+    def _shared_pool(self) -> Any:
+        """The device's pool while another layer's graphs live in it, else a new one: once every graph
+        of a pool is gone, CUDA's caching allocator refuses new captures into it (an internal assert)
+        as long as any tensor it allocated there lives on (a gradient, say)."""
+        members = LayerGraphs._members.setdefault(self.device, weakref.WeakSet())
+        if not any(m.fwd is not None for m in members if m is not self):
+            LayerGraphs._pools[self.device] = torch.cuda.graph_pool_handle()
+        members.add(self)
+        return LayerGraphs._pools[self.device]
+
     def _capturing(self, graph: torch.cuda.CUDAGraph) -> Any:
         device = torch.cuda.current_device()
-        if device not in LayerGraphs._pools:
-            LayerGraphs._pools[device] = torch.cuda.graph_pool_handle()
+        if device not in LayerGraphs._streams:
             LayerGraphs._streams[device] = torch.cuda.Stream()
         # thread_local: NCCL's watchdog thread may query its events while this thread captures.
         return torch.cuda.graph(
-            graph,
-            pool=LayerGraphs._pools[device],
-            stream=LayerGraphs._streams[device],
-            capture_error_mode="thread_local",
+            graph, pool=self._pool, stream=LayerGraphs._streams[device], capture_error_mode="thread_local"
         )
 
 

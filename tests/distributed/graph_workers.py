@@ -102,14 +102,14 @@ def run_model_matches_eager(rank: int, world: int) -> None:
         assert layer._layer_graphs is None
 
 
-def _layer(budget: int, graphs: bool, device: torch.device) -> MoELayer:
+def _layer(budget: int, graphs: bool, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> MoELayer:
     g = torch.Generator().manual_seed(0)
     H, I, E, K = 128, 64, 8, 2  # noqa: E741
     gate = TopKRouter(nn.Parameter(torch.randn(E, H, generator=g) * H**-0.5), top_k=K, mode="none")
     w1 = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) * 0.1)
     w2 = nn.Parameter(torch.randn(E, H, I, generator=g) * 0.1)
     layer = MoELayer(gate, GroupedExperts(w1, w2, F.silu), _config(budget, graphs))
-    return layer.to(device=device, dtype=torch.bfloat16).train()
+    return layer.to(device=device, dtype=dtype).train()
 
 
 def run_layer_replays_without_syncs(rank: int, world: int) -> None:
@@ -153,6 +153,70 @@ def run_layer_replays_without_syncs(rank: int, world: int) -> None:
     syncs = count_syncs(lambda: fwd_bwd(graphed, x, torch.ones_like(x)))
     assert syncs == 0, syncs
     graphed.release_graphs()
+
+
+def run_capture_again_after_release(rank: int, world: int) -> None:
+    """A layer captured after every earlier graph was released, while a tensor from the earlier
+    graphs' pool lives on (a gradient kept by the caller), captures into a new pool and gives the
+    eager layer's bits (sharing the old pool hit an internal assert of CUDA's caching allocator)."""
+    import lightning_ep
+    from lightning_ep.parallel.expert import parallelize_moe_layers
+
+    device = torch.device("cuda", rank)
+    mesh = lightning_ep.init_mesh(world, device_type="cuda")
+    T = 64
+    g = torch.Generator(device=device).manual_seed(rank)
+    first = _layer(2 * world * T, True, device)
+    parallelize_moe_layers(nn.ModuleDict({"moe": first}), mesh)
+    x = torch.randn(T, 128, generator=g, device=device).to(torch.bfloat16).requires_grad_(True)
+    for _ in range(WARMUP + 2):
+        first(x).sum().backward()
+    assert first._layer_graphs is not None and first._layer_graphs.bwd is not None
+    kept = [grad for grad in first._layer_graphs._grads if grad is not None]  # allocated in the first pool
+    first.release_graphs()
+    layers = []
+    for graphs in (False, True):
+        layer = _layer(2 * world * T, graphs, device)
+        parallelize_moe_layers(nn.ModuleDict({"moe": layer}), mesh)
+        layers.append(layer)
+    for i in range(WARMUP + 2):
+        results = []
+        for layer in layers:
+            xi = x.detach().clone().requires_grad_(True)
+            out = layer(xi)
+            out.backward(torch.ones_like(out))
+            results.append([out.detach(), xi.grad, *_local_grads(layer)])
+            layer.zero_grad(set_to_none=True)
+        _assert_equal(results[1], results[0], f"call {i}")
+    assert layers[1]._layer_graphs is not None and layers[1]._layer_graphs.bwd is not None
+    assert kept  # alive until here
+    layers[1].release_graphs()
+
+
+def run_fp32_experts_refuse_graphs(rank: int, world: int) -> None:
+    """fp32 experts take the per-expert loop, which reads the counts on the host: the warm-up calls
+    run eagerly, then the capture refuses with the fix, before capturing anything."""
+    import lightning_ep
+    from lightning_ep.parallel.expert import parallelize_moe_layers
+
+    device = torch.device("cuda", rank)
+    mesh = lightning_ep.init_mesh(world, device_type="cuda")
+    T = 64
+    layer = _layer(2 * world * T, True, device, torch.float32)
+    parallelize_moe_layers(nn.ModuleDict({"moe": layer}), mesh)
+    x = torch.randn(T, 128, device=device, requires_grad=True)
+    for _ in range(WARMUP):
+        layer(x).sum().backward()
+    try:
+        layer(x)
+    except ValueError as error:
+        message = str(error)
+        assert "cuda_graphs=True needs the experts' grouped GEMM" in message, message
+        assert "torch.float32" in message and "cuda_graphs=False" in message, message
+    else:
+        raise AssertionError("cuda_graphs captured fp32 experts, whose per-expert loop reads the host")
+    assert layer._layer_graphs is not None and layer._layer_graphs.fwd is None
+    layer.release_graphs()
 
 
 def run_sharded_experts_refuse_graphs(rank: int, world: int) -> None:
