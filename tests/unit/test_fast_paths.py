@@ -310,3 +310,17 @@ def test_swiglu_dispatch_on_cpu_is_the_torch_expression():
     h = torch.randn(5, 16, dtype=torch.float64)
     assert torch.equal(swiglu(h, F.silu), F.silu(h[:, :8]) * h[:, 8:])
     assert torch.equal(swiglu(h, F.gelu), F.gelu(h[:, :8]) * h[:, 8:])
+
+
+def test_swiglu_row_limit_must_be_one_integer_on_the_rows_device() -> None:
+    """The fused kernels' row limit (``swiglu(..., rows)``): a one-element int32 / int64 tensor on
+    ``h``'s device, else an error naming what came; ``None`` passes ``h`` as the unused pointer."""
+    from lightning_ep.moe.swiglu import _limit
+
+    h = torch.zeros(4, 16)
+    assert _limit(None, h) is h
+    for good in (torch.tensor([3], dtype=torch.int32), torch.tensor([3])):
+        assert _limit(good, h) is good
+    for bad in (torch.tensor([3.0]), torch.tensor([1, 2]), torch.tensor([], dtype=torch.int64)):
+        with pytest.raises(ValueError, match="swiglu: rows must be a one-element int32 or int64 tensor on cpu"):
+            _limit(bad, h)
