@@ -30,7 +30,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   ``MoEConfig(max_tokens_per_rank=ceil(--row-budget x batch x seq x top_k))``, which on an
   ``ep:symm`` row makes the dispatch static and free of host syncs, and ``+graph`` (with ``+budget``)
   replays each MoE layer's dispatch, experts and combine as CUDA graphs (``MoEConfig(cuda_graphs=True)``;
-  captured in the third warm-up step); ``@reference`` (or another of
+  captured in the third warm-up step); ``+adamw`` steps with ``lightning_ep.optim.AdamW`` (torch's fused
+  AdamW bit for bit, one Triton kernel per large tensor) whatever ``--optimizer`` says; ``@reference`` (or another of
   ``_variants.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
@@ -38,7 +39,7 @@ Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch
 MFU against a dense bf16 GEMM timed in this process, peak memory allocated.
 
     torchrun --nproc-per-node 2 benchmarks/bench_step.py --shape coarse --rows eager grouped_mm ep:a2a ep:allgather
-    python benchmarks/bench_step.py --shape coarse --devices 1 --rows ep:a2a
+    python benchmarks/bench_step.py --shape coarse --rows ep:a2a    # one GPU: this library at degree 1
 """
 
 from __future__ import annotations
@@ -164,6 +165,10 @@ def make_module(
         def configure_optimizers(self) -> torch.optim.Optimizer:
             if row == "hf_ep":  # HF 5.17's EP mixes plain tensors and DTensors: foreach / fused fail there
                 return torch.optim.AdamW(self.parameters(), lr=lr, foreach=False)
+            if optimizer == "lightning_ep":
+                from lightning_ep.optim import AdamW
+
+                return AdamW(self.parameters(), lr=lr)
             if optimizer == "fused":
                 return torch.optim.AdamW(self.parameters(), lr=lr, fused=True)
             return torch.optim.AdamW(self.parameters(), lr=lr, foreach=True)
@@ -378,7 +383,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         args.lr,
         prefetch="prefetch" in options,
         manual_gc="manualgc" in options,
-        optimizer=args.optimizer,
+        optimizer="lightning_ep" if "adamw" in options else args.optimizer,
         compile_layers="compile" in options,
         compile_dense_only="compile_dense" in options,
     )
@@ -443,7 +448,10 @@ def main() -> None:
         "--row-budget", type=float, default=1.25, help="+budget rows: max_tokens_per_rank over tokens x top_k"
     )
     parser.add_argument(
-        "--optimizer", default="fused", choices=["fused", "foreach"], help="AdamW kernel (hf_ep: foreach=False)"
+        "--optimizer",
+        default="fused",
+        choices=["fused", "foreach", "lightning_ep"],
+        help="AdamW: torch's fused or foreach kernels, or lightning_ep.optim.AdamW (hf_ep: foreach=False)",
     )
     parser.add_argument("--pretrained-dir", default="/tmp/bench_step_hf_ep")
     parser.add_argument("--profile", action="store_true", help="profile one extra step: kernel time by class")

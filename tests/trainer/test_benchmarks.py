@@ -63,7 +63,15 @@ def test_bench_layer_runs_every_phase(tmp_path: Path) -> None:
 
 
 def test_bench_step_runs_the_baseline_and_this_library(tmp_path: Path) -> None:
-    rows = ["grouped_mm", "ep:a2a", "ep:allgather+zero2", "ep:a2a@grouped-experts", "ep:a2a@root-head", "ep:a2a+dedup"]
+    rows = [
+        "grouped_mm",
+        "ep:a2a",
+        "ep:allgather+zero2",
+        "ep:a2a@grouped-experts",
+        "ep:a2a@root-head",
+        "ep:a2a+dedup",
+        "ep:a2a+adamw",
+    ]
     text = _run(
         "bench_step.py",
         ["--shape", "tiny", "--precision", "32-true", "--steps", "2", "--warmup", "1", "--rows", *rows],
@@ -84,3 +92,11 @@ def test_bench_experts_runs(tmp_path: Path) -> None:
     )
     rows = _table_rows(text)
     assert len(rows) == 2 and all(row[-1] == "grouped" for row in rows), text  # off CUDA: always grouped
+
+
+def test_bench_optim_runs(tmp_path: Path) -> None:
+    args = ["--shapes", "tiny", "--degrees", "1", "2", "--iters", "2", "--warmup", "1"]
+    text = _run("bench_optim.py", args, tmp_path, nproc=1)
+    table = _table_rows(text)
+    assert len(table) == 6, text  # 2 degrees x 3 optimizers
+    assert [row[-1] for row in table] == ["reference", "-", "yes"] * 2, text

@@ -1,0 +1,342 @@
+"""``AdamW``: ``torch.optim.AdamW(fused=True)``, bit for bit, with each large CUDA tensor updated by
+one Triton kernel at the memory's rate.
+
+Why: an MoE model holds most of its parameters in its experts, and each expert-parallel rank keeps
+its experts whole, so the optimizer step streams every expert weight, its gradient and both moments
+once per step (14 bytes per bf16 parameter). torch's fused kernel walks its tensors in chunks of
+65,536 elements, at most 320 chunks per launch, and moves about 2.7 TB/s on an H200; one launch per
+large tensor, its grid covering the tensor, moves about 4.1 (``benchmarks/RESULTS.md``, Session 11).
+
+The contract is torch's own fused AdamW, not an approximation of it: the kernel computes what
+``torch._fused_adamw_`` computes, in the same order, with the same fused multiply-adds and correctly
+rounded divisions and square roots, and takes the bias corrections' powers from torch
+(``torch._foreach_pow``), whose ``pow`` the fused kernel shares. Tensors the kernel does not take
+(below ``min_kernel_numel`` elements, off CUDA, float64, without Triton, or under a ``GradScaler``)
+go through ``torch._fused_adamw_`` itself. The state (``step``, ``exp_avg``, ``exp_avg_sq``) and
+the state dict are torch's, so checkpoints move freely between this class and
+``torch.optim.AdamW``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from lightning_ep.moe.experts import local_tensor
+from lightning_ep.moe.lazy_triton import lazy_kernels
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+_BLOCK = 1024  # elements per program; 4 warps (the fastest of the sizes swept on an H200)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class AdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW(..., fused=True)`` with the large tensors' update in one kernel each.
+
+    Same arguments, defaults and results as torch's fused AdamW (bit for bit on CUDA, tested),
+    except: ``lr`` and ``betas`` are floats (an LR scheduler changes ``lr`` as a float), and
+    ``amsgrad``, ``capturable``, ``differentiable`` and ``foreach`` are not taken; use
+    ``torch.optim.AdamW`` for those. ``min_kernel_numel``: the size from which a tensor gets a kernel
+    launch of its own; smaller ones, and any the kernel cannot take, are updated by
+    ``torch._fused_adamw_`` in its few launches. DTensor parameters (FSDP2, expert parallelism) are
+    updated through their local shards when gradient and parameter share one placement.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        maximize: bool = False,
+        min_kernel_numel: int = 1 << 20,
+    ) -> None:
+        if not isinstance(min_kernel_numel, int) or isinstance(min_kernel_numel, bool) or min_kernel_numel < 1:
+            raise ValueError(
+                f"AdamW: min_kernel_numel must be a positive int (the tensor size from which a tensor gets a "
+                f"kernel launch of its own), got {min_kernel_numel!r}."
+            )
+        self.min_kernel_numel = min_kernel_numel
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize, fused=True)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, then the options this class does not take refused, naming the fix."""
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's; a state saved by ``torch.optim.AdamW`` without ``fused`` loads too (its steps
+        are moved to the parameters' devices, as torch does for a fused optimizer)."""
+        for group in state_dict["param_groups"]:
+            _check_group({**group, "fused": True, "foreach": None})
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group.update(fused=True, foreach=None)
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and "step" in state:
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One AdamW step of every parameter with a gradient; ``closure`` as in torch."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            # A GradScaler hands the fused optimizer its scale: torch's kernels unscale and skip.
+            super().step()
+            return loss
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("lightning_ep.optim.AdamW does not support sparse gradients.")
+            state = self.state[p]
+            if not state:  # as torch's fused AdamW lays its state out
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        lr, (beta1, beta2) = float(group["lr"]), group["betas"]
+        weight_decay, eps, maximize = group["weight_decay"], group["eps"], group["maximize"]
+        big = [i for i, p in enumerate(params) if self._kernel_takes(p, grads[i], exp_avgs[i], exp_avg_sqs[i])]
+        rest = sorted(set(range(len(params))) - set(big))
+        if rest:
+            torch_fused_adamw(
+                [params[i] for i in rest],
+                [grads[i] for i in rest],
+                [exp_avgs[i] for i in rest],
+                [exp_avg_sqs[i] for i in rest],
+                [steps[i] for i in rest],
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=weight_decay,
+                eps=eps,
+                maximize=maximize,
+            )
+        if big:
+            big_steps = [steps[i] for i in big]
+            torch._foreach_add_(big_steps, 1)
+            powers1 = torch._foreach_pow(beta1, big_steps)
+            powers2 = torch._foreach_pow(beta2, big_steps)
+            for j, i in enumerate(big):
+                adamw_kernel_step(
+                    params[i],
+                    grads[i],
+                    exp_avgs[i],
+                    exp_avg_sqs[i],
+                    powers1[j],
+                    powers2[j],
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=weight_decay,
+                    eps=eps,
+                    maximize=maximize,
+                )
+
+    def _kernel_takes(self, p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> bool:
+        """Whether ``p``'s update runs in the Triton kernel (else in ``torch._fused_adamw_``): a CUDA
+        tensor (or DTensor shard) of ``min_kernel_numel`` elements or more, with gradient and moments
+        of its dtype, shape and placement, all contiguous."""
+        if not kernel_available(p):
+            return False
+        if DTensor is not None and isinstance(p, DTensor):
+            for t in (grad, exp_avg, exp_avg_sq):
+                if not (isinstance(t, DTensor) and t.placements == p.placements and t.device_mesh == p.device_mesh):
+                    return False
+        tensors = [local_tensor(t) for t in (p, grad, exp_avg, exp_avg_sq)]
+        if tensors[0].numel() < self.min_kernel_numel:
+            return False
+        return all(t.dtype == p.dtype and t.is_contiguous() and t.shape == tensors[0].shape for t in tensors)
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    """Refuse, with the fix, a parameter group's options this class does not take."""
+    for key in ("lr", "betas"):
+        values = group[key] if key == "betas" else (group[key],)
+        if any(isinstance(v, Tensor) for v in values):
+            raise TypeError(
+                f"lightning_ep.optim.AdamW takes {key} as float(s), got a Tensor; pass floats, or use "
+                f"torch.optim.AdamW(fused=True) for a Tensor {key}."
+            )
+    for key in ("amsgrad", "capturable", "differentiable"):
+        if group.get(key):
+            raise ValueError(
+                f"lightning_ep.optim.AdamW does not take {key}=True; use torch.optim.AdamW({key}=True) for that "
+                "parameter group."
+            )
+    if group.get("foreach") or not group.get("fused"):
+        raise ValueError(
+            f"lightning_ep.optim.AdamW is always fused, got foreach={group.get('foreach')!r}, "
+            f"fused={group.get('fused')!r} in a parameter group; leave both unset."
+        )
+
+
+def kernel_available(p: Tensor) -> bool:
+    """Whether the Triton kernel can update ``p`` (CUDA, bf16 / fp16 / fp32, Triton importable)."""
+    return p.is_cuda and p.dtype in _KERNEL_DTYPES and _triton() is not None
+
+
+def torch_fused_adamw(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+) -> None:
+    """What ``torch.optim.AdamW(fused=True)`` runs for these tensors: per device and dtype, the steps
+    counted up, then ``torch._fused_adamw_``."""
+    grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype(
+        [params, grads, exp_avgs, exp_avg_sqs, steps]  # type: ignore[list-item]
+    )
+    for lists, _ in grouped.values():
+        device_params, device_grads, device_exp_avgs, device_exp_avg_sqs, device_steps = cast(list[list[Tensor]], lists)
+        torch._foreach_add_(device_steps, 1)
+        torch._fused_adamw_(
+            device_params,
+            device_grads,
+            device_exp_avgs,
+            device_exp_avg_sqs,
+            [],
+            device_steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=maximize,
+        )
+
+
+def adamw_kernel_step(
+    p: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    power1: Tensor,
+    power2: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+) -> None:
+    """One AdamW update of ``p``, ``exp_avg`` and ``exp_avg_sq`` in place, in one kernel launch.
+
+    ``power1`` / ``power2``: one-element float32 tensors holding ``beta1 ** step`` and
+    ``beta2 ** step`` for this step (the bias corrections' powers, computed by torch). The
+    tensors (or their DTensors' local shards) must be contiguous, of one shape and one dtype.
+    """
+    kernels = _triton()
+    p, grad, exp_avg, exp_avg_sq = (local_tensor(t) for t in (p, grad, exp_avg, exp_avg_sq))
+    count = p.numel()
+    if count == 0:
+        return
+    decay = torch.tensor(weight_decay, dtype=torch.float32).item() != 0  # torch tests the float32 value
+    kernels.adamw[(-(-count // _BLOCK),)](
+        p,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        power1,
+        power2,
+        count,
+        lr,
+        beta1,
+        beta2,
+        weight_decay,
+        eps,
+        DECAY=decay,
+        MAXIMIZE=maximize,
+        BLOCK=_BLOCK,
+        num_warps=4,
+    )
+
+
+def _build_kernels(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def adamw(
+        p_ptr,
+        g_ptr,
+        m_ptr,
+        v_ptr,
+        power1_ptr,
+        power2_ptr,
+        count,
+        lr,
+        beta1,
+        beta2,
+        weight_decay,
+        eps,
+        DECAY: tl.constexpr,
+        MAXIMIZE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # torch's fused AdamW (ATen's fused_adam_utils.cuh, ADAMW mode) step by step, in fp32: the
+        # same fused multiply-adds, correctly rounded divisions and square roots, one rounding at
+        # each store. The scalars arrive as fp32, as torch casts them.
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < count
+        bias_correction1 = 1.0 - tl.load(power1_ptr)
+        bias_correction2_sqrt = tl.sqrt_rn(1.0 - tl.load(power2_ptr))
+        step_size = tl.math.div_rn(lr, bias_correction1)
+        p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        if DECAY:
+            p = tl.fma(-(lr * weight_decay), p, p)
+        m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+        g2 = g * g
+        v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
+        denom = tl.math.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+        p = p - tl.math.div_rn(step_size * m, denom)
+        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+
+    class Kernels:
+        pass
+
+    Kernels.adamw = adamw  # type: ignore[attr-defined]
+    return Kernels
+
+
+_triton = lazy_kernels(_build_kernels)
