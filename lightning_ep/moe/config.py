@@ -95,17 +95,19 @@ class MoEConfig:
             experts loop over experts and read the counts. Measured (Session 8): +3.9% tokens/s
             (median; -4.4% to +7.9%) on the host-bound fine step at 8,192 tokens per GPU, +0-0.6%
             at 16,384, -2.6% at Mixtral shapes (no per-expert GEMMs).
-        cuda_graphs: with ``symmetric_memory_dispatch`` and ``max_tokens_per_rank`` (the static
-            plan): replay each MoE layer's dispatch, experts and combine, forward and backward, as
-            CUDA graphs (``lightning_ep.moe.graphs``): one launch instead of about a hundred small
-            kernels per layer, the same bits. A layer's first two training calls run eagerly, the
-            third captures. Needs bf16 / fp16 experts (the grouped GEMM) whose weights stay in place:
+        cuda_graphs: replay each MoE layer's dispatch, experts and combine, forward and backward,
+            as CUDA graphs (``lightning_ep.moe.graphs``): one launch instead of about a hundred small
+            kernels per layer, the same bits. Needs a static plan: at degree 1 the local dispatch
+            has one; above it, ``symmetric_memory_dispatch`` with ``max_tokens_per_rank`` (checked
+            when the layers are built). A layer's first two training calls run eagerly, the third
+            captures. Needs bf16 / fp16 experts (the grouped GEMM) whose weights stay in place:
             outside FSDP2 (expert-parallel degree = world size), and no activation checkpointing.
-            Holds every layer's activations and temporaries in one memory pool. At degree 1
-            (no symmetric memory) it does nothing. Measured (``benchmarks/RESULTS.md``, Session 9, 2 x
-            H200, Qwen3-30B-like shapes): one layer's forward + backward 6.74-6.96 ms instead of
-            7.35-7.73 (1.25-1.31x its floor), but the training step at 8,192 tokens per GPU -0.9% to
-            -2.3% tokens/s on hosts where it is already GPU-bound. Hence off by default.
+            Holds every layer's activations and temporaries in two memory pools (forward, backward).
+            Measured (``benchmarks/RESULTS.md``, Sessions 9 and 11, H200, Qwen3-30B-like shapes): one
+            layer's forward + backward at degree 2 6.74-6.96 ms instead of 7.35-7.73 (1.25-1.31x its
+            floor); the training step at 8,192 tokens per GPU -0.9% to -2.3% tokens/s at degree 2 on
+            hosts where it is already GPU-bound (before Session 11's separate backward pool). Off by
+            default.
     """
 
     smp_moe: bool = True
@@ -170,12 +172,11 @@ class MoEConfig:
                 f"{self.token_dedup}; set moe_all_to_all_dispatcher=True, capacity_factor=None and token_dedup=False, "
                 "or symmetric_memory_dispatch=False."
             )
-        if self.cuda_graphs and not (self.symmetric_memory_dispatch and self.max_tokens_per_rank is not None):
+        if self.cuda_graphs and self.capacity_factor is not None:
             raise ValueError(
-                "MoEConfig.cuda_graphs=True captures the static plan of the symmetric-memory dispatch, but "
-                f"symmetric_memory_dispatch={self.symmetric_memory_dispatch}, max_tokens_per_rank="
-                f"{self.max_tokens_per_rank}; set symmetric_memory_dispatch=True and max_tokens_per_rank (about "
-                "1.25-1.6 x tokens per rank x top_k), or cuda_graphs=False."
+                "MoEConfig.cuda_graphs=True captures a dropless dispatch (the local one at degree 1, the "
+                f"symmetric-memory one above), but capacity_factor={self.capacity_factor}; set capacity_factor=None, "
+                "or cuda_graphs=False."
             )
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "balance_update_rate"):
             _check_float(name, getattr(self, name))

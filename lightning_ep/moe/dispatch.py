@@ -219,6 +219,12 @@ class LocalDispatcher:
         x_NH = gather_rows(x_TH, order_N, expert_ids_TK.shape[1], inverse_N)
         return Dispatched(x_NH, counts_E, counts_E, {"order_N": order_N, "inverse_N": inverse_N})
 
+    def dispatch_static(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> tuple[Dispatched, None]:
+        """``dispatch``: its shapes depend on ``T`` and ``K`` alone and it reads nothing back to the
+        host, so ``LayerGraphs`` can capture it (``MoEConfig.cuda_graphs`` at degree 1). No budget,
+        so no per-rank loads (``None``)."""
+        return self.dispatch(x_TH, expert_ids_TK), None
+
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         state = dispatched.state
         return weighted_unsort(y_MH, state["inverse_N"], state["order_N"], weights_TK)

@@ -1,11 +1,11 @@
 """One MoE layer's dispatch, experts and combine replayed as CUDA graphs (``MoEConfig.cuda_graphs``).
 
-With the symmetric-memory dispatch and a row budget (``max_tokens_per_rank``) nothing in a layer
-between its routing and its output depends on the host: every shape is static and no value is read
-back. The host then spends more time launching that part's hundred-odd small kernels than the GPU
-spends running them at Qwen3-30B-like shapes (``benchmarks/RESULTS.md``, Session 8). ``LayerGraphs``
-captures the part once in a CUDA graph for the forward and one for the backward, and from then on
-launches each with one call:
+With the symmetric-memory dispatch and a row budget (``max_tokens_per_rank``), and at degree 1 with
+the local dispatch, nothing in a layer between its routing and its output depends on the host: every
+shape is static and no value is read back. The host then spends more time launching that part's
+hundred-odd small kernels than the GPU spends running them at Qwen3-30B-like shapes
+(``benchmarks/RESULTS.md``, Session 8). ``LayerGraphs`` captures the part once in a CUDA graph for the
+forward and one for the backward, and from then on launches each with one call:
 
 - the first ``WARMUP`` training calls of a layer run eagerly (Triton, ``torch.compile`` and NCCL
   initialise there); the next one captures the forward, and its backward the backward;
@@ -13,18 +13,22 @@ launches each with one call:
   the graph's own buffers; the expert weights are read where they are, so the optimizer's in-place
   updates reach the graph (a weight that moved raises, see ``_check_weights``);
 - the captured kernels are the eager ones, on the same values, so the results are the same bits;
-- all layers' graphs share one memory pool, captured in the order they replay (forwards in layer
-  order, backwards in reverse), as ``torch.cuda.make_graphed_callables`` does; so a buffer one graph
-  leaves behind may hold another graph's temporaries by that graph's next replay (graphs captured
-  after all earlier ones were released start a new pool, see ``_shared_pool``);
+- all layers' forward graphs share one memory pool and all their backward graphs another, captured
+  in the order they replay (forwards in layer order, backwards in reverse), as
+  ``torch.cuda.make_graphed_callables`` does; so a buffer one backward graph leaves behind may hold
+  another backward graph's temporaries by the next backward pass (graphs captured after all earlier
+  ones were released start new pools, see ``_shared_pools``);
 - a call runs eagerly whenever the graph's shapes, dtypes or ``requires_grad`` differ, grad is off
   (evaluation), or the layer's last replayed forward still awaits its backward (a second forward
   before the backward would overwrite the activations the graph keeps).
 
 Gradients: the gradients the backward graph returns live in its buffers. Autograd consumes the
 input gradients before any other replay; a weight's first gradient of a step becomes that weight's
-``.grad`` as is (autograd keeps it rather than copying it), and before the next forward replay (of
-any layer) a ``.grad`` still pointing into a graph's buffer is copied out (``_release_grads``).
+``.grad`` as is (autograd keeps it rather than copying it). Forward replays never write the backward
+pool, so that ``.grad`` survives the next forward (Lightning zeroes gradients between the forward and
+the backward); before the first backward replay of the next backward pass (of any layer) a ``.grad``
+still pointing into a graph's buffer is copied out (``_release_grads``): only under gradient
+accumulation.
 """
 
 from __future__ import annotations
@@ -45,23 +49,28 @@ class LayerGraphs:
     """The forward and backward CUDA graphs of one layer's dispatch, experts and combine.
 
     Args:
-        dispatcher: a ``SymmetricMemoryDispatcher`` with a row budget.
+        dispatcher: one with a static plan (``dispatch_static``): a ``SymmetricMemoryDispatcher`` with a
+            row budget, or the ``LocalDispatcher`` (degree 1).
         experts: the layer's routed experts (their weights must not move, see ``_check_weights``).
     """
 
-    #: Per device, the memory pool the live graphs share, and the layers whose graphs live in it.
-    _pools: ClassVar[dict[int, Any]] = {}
+    #: Per device, the memory pools the live forward and backward graphs share, and the layers whose
+    #: graphs live in them.
+    _pools: ClassVar[dict[int, tuple[Any, Any]]] = {}
     _members: ClassVar[dict[int, weakref.WeakSet[LayerGraphs]]] = {}
     _streams: ClassVar[dict[int, torch.cuda.Stream]] = {}
-    #: Per device, the layers whose backward replayed since the last forward replay: their weights'
-    #: ``.grad`` may still be their graph's buffer (see ``_release_grads``).
+    #: Per device, the layers whose backward replayed since the last forward replay, and those whose
+    #: backward replayed before it (an earlier backward pass): their weights' ``.grad`` may still be
+    #: their graph's buffer (see ``_release_grads``).
     _replayed_backward: ClassVar[dict[int, weakref.WeakValueDictionary[int, LayerGraphs]]] = {}
+    _earlier_pass: ClassVar[dict[int, weakref.WeakValueDictionary[int, LayerGraphs]]] = {}
 
     def __init__(self, dispatcher: Any, experts: RoutedExperts) -> None:
-        if getattr(dispatcher, "budget", None) is None:
+        if not hasattr(dispatcher, "dispatch_static") or (hasattr(dispatcher, "budget") and dispatcher.budget is None):
             raise ValueError(
-                "MoEConfig.cuda_graphs=True needs the static plan: symmetric_memory_dispatch=True and "
-                "max_tokens_per_rank set."
+                f"MoEConfig.cuda_graphs=True needs a dispatch with a static plan, got {type(dispatcher).__name__}"
+                f"{' without a row budget' if hasattr(dispatcher, 'budget') else ''}: the local dispatch (degree 1), "
+                "or symmetric_memory_dispatch=True with max_tokens_per_rank set."
             )
         self.dispatcher, self.experts = dispatcher, experts
         self.calls = 0
@@ -76,7 +85,7 @@ class LayerGraphs:
         self._grad_out: torch.Tensor | None = None
         self._grads: list[torch.Tensor | None] = []
         self._pointers: list[int] = []
-        self._pool: Any = None
+        self._layer_pools: tuple[Any, Any] | None = None  # forward, backward
 
     @property
     def pending(self) -> bool:
@@ -101,13 +110,14 @@ class LayerGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``out_TH`` and the tokens per expert ``counts_E``, as the eager layer computes them."""
         weights = [local_tensor(p) for p in self._weights()]
-        budget = self.dispatcher.budget
-        if budget.raise_at_dispatch:
+        budget = getattr(self.dispatcher, "budget", None)  # the symmetric-memory dispatch's row budget
+        if budget is not None and budget.raise_at_dispatch:
             budget.check(wait=False)
         if self.fwd is None:
             self._capture_forward(x_TH, expert_ids_TK, weights_TK, weights)
         out_TH, counts_E = _Replay.apply(self, x_TH, expert_ids_TK, weights_TK, *weights)
-        budget.note(self._outputs[2])
+        if budget is not None:
+            budget.note(self._outputs[2])
         return out_TH, counts_E
 
     # ------------------------------------------------------------------------ replay
@@ -115,8 +125,9 @@ class LayerGraphs:
     def replay_forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_weights(inputs[3:])
         replayed = LayerGraphs._replayed_backward.pop(self.device, None)
-        for graphs in list(replayed.values()) if replayed is not None else []:
-            graphs._release_grads()
+        if replayed is not None:  # the next backward replay starts a new backward pass
+            earlier = LayerGraphs._earlier_pass.setdefault(self.device, weakref.WeakValueDictionary())
+            earlier.update(replayed)
         with torch.no_grad():
             for static, value in zip(self._writable, inputs[:3], strict=True):
                 static.copy_(value)
@@ -129,6 +140,9 @@ class LayerGraphs:
         if self.bwd is None:
             self._capture_backward()
         assert self._grad_out is not None and self.bwd is not None
+        earlier = LayerGraphs._earlier_pass.pop(self.device, None)
+        for graphs in list(earlier.values()) if earlier is not None else []:
+            graphs._release_grads()
         if grad_out_TH is None:
             self._grad_out.zero_()
         else:
@@ -139,10 +153,10 @@ class LayerGraphs:
 
     def _release_grads(self) -> None:
         """Copy out a weight's ``.grad`` that is still the backward graph's buffer. Any layer's next
-        forward replay may reuse that pool memory for its temporaries (the graphs share one pool), so
-        every forward replay first releases the gradients of the backwards replayed before it: after
-        ``zero_grad(set_to_none=True)`` there is nothing to copy; under gradient accumulation (or
-        ``set_to_none=False``) the gradient is copied once."""
+        backward replay may reuse that pool memory for its temporaries (the backward graphs share one
+        pool), so the first backward replay of a pass first releases the gradients of the backwards
+        replayed in earlier passes: after ``zero_grad(set_to_none=True)`` there is nothing to copy;
+        under gradient accumulation (or ``set_to_none=False``) the gradient is copied once."""
         for p, grad in zip(self._weights(), self._grads[3:], strict=True):
             if grad is not None and p.grad is not None and local_tensor(p.grad).data_ptr() == grad.data_ptr():
                 p.grad = p.grad.clone()
@@ -154,12 +168,12 @@ class LayerGraphs:
         does it; elsewhere ``MoELayer.release_graphs``)."""
         if self.fwd is not None:
             torch.cuda.synchronize()
-        self.fwd = self.bwd = self._pool = None
+        self.fwd = self.bwd = self._layer_pools = None
         self._static, self._writable, self._outputs, self._grads = [], [], (), []
         self._grad_out, self._key, self._token, self.calls = None, None, None, 0
-        replayed = LayerGraphs._replayed_backward.get(self.device)
-        if replayed is not None:
-            replayed.pop(id(self), None)
+        for registry in (LayerGraphs._replayed_backward, LayerGraphs._earlier_pass):
+            if self.device in registry:
+                registry[self.device].pop(id(self), None)
 
     # ------------------------------------------------------------------------ capture
 
@@ -211,9 +225,9 @@ class LayerGraphs:
         self._writable = [t.data for t in self._static[:3]]
         self._pointers = [w.data_ptr() for w in weights]
         self.device = x_TH.device.index
-        self._pool = self._shared_pool()
+        self._layer_pools = self._shared_pools()
         self.fwd = torch.cuda.CUDAGraph()
-        with torch.enable_grad(), self._capturing(self.fwd):
+        with torch.enable_grad(), self._capturing(self.fwd, self._layer_pools[0]):
             self._outputs = self._core(self._static[0], self._static[1], self._static[2], self._static[3:])
 
     def _capture_backward(self) -> None:
@@ -221,30 +235,32 @@ class LayerGraphs:
         self._grad_out = torch.zeros_like(out_TH)
         needs = [i for i, t in enumerate(self._static) if t.requires_grad]
         self.bwd = torch.cuda.CUDAGraph()
-        with self._capturing(self.bwd):
+        assert self._layer_pools is not None
+        with self._capturing(self.bwd, self._layer_pools[1]):
             grads = torch.autograd.grad(out_TH, [self._static[i] for i in needs], self._grad_out, allow_unused=True)
         self._grads = [None] * len(self._static)
         for i, grad in zip(needs, grads, strict=True):
             self._grads[i] = grad
         self._outputs = (out_TH.detach(), *self._outputs[1:])  # frees the capture's autograd graph
 
-    def _shared_pool(self) -> Any:
-        """The device's pool while another layer's graphs live in it, else a new one: once every graph
-        of a pool is gone, CUDA's caching allocator refuses new captures into it (an internal assert)
-        as long as any tensor it allocated there lives on (a gradient, say)."""
+    def _shared_pools(self) -> tuple[Any, Any]:
+        """The device's forward and backward pools while another layer's graphs live in them, else
+        new ones: once every graph of a pool is gone, CUDA's caching allocator refuses new captures
+        into it (an internal assert) as long as any tensor it allocated there lives on (a gradient,
+        say)."""
         members = LayerGraphs._members.setdefault(self.device, weakref.WeakSet())
         if not any(m.fwd is not None for m in members if m is not self):
-            LayerGraphs._pools[self.device] = torch.cuda.graph_pool_handle()
+            LayerGraphs._pools[self.device] = (torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle())
         members.add(self)
         return LayerGraphs._pools[self.device]
 
-    def _capturing(self, graph: torch.cuda.CUDAGraph) -> Any:
+    def _capturing(self, graph: torch.cuda.CUDAGraph, pool: Any) -> Any:
         device = torch.cuda.current_device()
         if device not in LayerGraphs._streams:
             LayerGraphs._streams[device] = torch.cuda.Stream()
         # thread_local: NCCL's watchdog thread may query its events while this thread captures.
         return torch.cuda.graph(
-            graph, pool=self._pool, stream=LayerGraphs._streams[device], capture_error_mode="thread_local"
+            graph, pool=pool, stream=LayerGraphs._streams[device], capture_error_mode="thread_local"
         )
 
 

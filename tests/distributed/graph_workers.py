@@ -37,10 +37,11 @@ def _assert_equal(got: list[torch.Tensor], want: list[torch.Tensor], what: str) 
 
 def run_model_matches_eager(rank: int, world: int) -> None:
     """A 3-layer Mixtral under FSDP2 (experts outside it, degree = world), AdamW, with and without
-    ``cuda_graphs``: the same losses and gradients, bit for bit, over six steps (one of two
-    accumulated micro-batches, one with two forwards before a single backward), and the same
-    logits in evaluation; the graphs are captured in step ``WARMUP`` and reused after; a weight
-    assigned anew is refused."""
+    ``cuda_graphs``: the same losses and gradients, bit for bit, over eight steps (one of two
+    accumulated micro-batches, one with two forwards before a single backward, two in Lightning's
+    order: forward, ``zero_grad``, backward, so that the forward replays run while ``.grad`` still
+    holds the backward graphs' buffers, uncopied), and the same logits in evaluation; the graphs are
+    captured in step ``WARMUP`` and reused after; a weight assigned anew is refused."""
     from workers import BATCH, SEQ, micro_batch, tiny_mixtral
 
     import lightning_ep
@@ -57,25 +58,31 @@ def run_model_matches_eager(rank: int, world: int) -> None:
         optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
     layers = lightning_ep.moe_layers(models[1])
 
-    def step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[list[torch.Tensor]]) -> list:
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[list[torch.Tensor]], kind: str) -> list:
         losses = []
         for group in batches:  # micro-batches; a group of two is two forwards before one backward
             group_losses = [model(input_ids=ids, labels=ids).loss for ids in group]
+            if kind.startswith("lightning"):  # Lightning's closure: the forward, zero_grad, then backward
+                if model is models[1] and kind == "lightning again":  # the last step's .grad outlived the replays
+                    _assert_grads_in_graph_buffers(layers)
+                optimizer.zero_grad(set_to_none=True)
             sum(group_losses).backward()  # type: ignore[union-attr]
             losses += [loss.detach() for loss in group_losses]
         grads = [g.clone() for g in _local_grads(model)]
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if not kind.startswith("lightning"):
+            optimizer.zero_grad(set_to_none=True)
         return [*losses, *grads]
 
-    schedule = {4: "accumulate", 5: "two forwards"}
-    for i in range(7):
+    schedule = {4: "accumulate", 5: "two forwards", 6: "lightning", 7: "lightning again"}
+    for i in range(8):
         ids = micro_batch(i, rank).to(device)
         more = micro_batch(100 + i, rank).to(device)
-        batches = {"accumulate": [[ids], [more]], "two forwards": [[ids, more]]}.get(schedule.get(i, ""), [[ids]])
-        want = step(models[0], optimizers[0], batches)
-        got = step(models[1], optimizers[1], batches)
-        _assert_equal(got, want, f"step {i} ({schedule.get(i, 'plain')})")
+        kind = schedule.get(i, "plain")
+        batches = {"accumulate": [[ids], [more]], "two forwards": [[ids, more]]}.get(kind, [[ids]])
+        want = step(models[0], optimizers[0], batches, kind)
+        got = step(models[1], optimizers[1], batches, kind)
+        _assert_equal(got, want, f"step {i} ({kind})")
         captured = all(layer._layer_graphs is not None and layer._layer_graphs.bwd is not None for layer in layers)
         assert captured == (i >= WARMUP), (i, captured)
         # A layer's forward still pending after its step would leave the next one eager.
@@ -100,6 +107,17 @@ def run_model_matches_eager(rank: int, world: int) -> None:
     for layer in layers:  # before the harness destroys the process group (see LayerGraphs.release)
         layer.release_graphs()
         assert layer._layer_graphs is None
+
+
+def _assert_grads_in_graph_buffers(layers: list[MoELayer]) -> None:
+    """Each expert weight's ``.grad`` is still its backward graph's buffer: no forward replay copied
+    it out (the backward graphs keep a memory pool of their own)."""
+    for layer in layers:
+        graphs = layer._layer_graphs
+        assert graphs is not None
+        for p, buffer in zip(graphs._weights(), graphs._grads[3:], strict=True):
+            assert buffer is not None and p.grad is not None
+            assert local_tensor(p.grad).data_ptr() == buffer.data_ptr(), layer.layer_index
 
 
 def _layer(budget: int, graphs: bool, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> MoELayer:

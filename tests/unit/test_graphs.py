@@ -1,5 +1,5 @@
-"""``MoEConfig.cuda_graphs`` on the CPU: its configuration errors, and nothing changes where there is
-no static plan to capture (one process). The graphs themselves: ``tests/gpu/test_cuda_graphs.py``."""
+"""``MoEConfig.cuda_graphs`` on the CPU: its configuration errors, and nothing changes off CUDA. The
+graphs themselves: ``tests/gpu/test_cuda_graphs.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts, LocalDispatcher, MoEConfig, MoELayer, TopKRouter
+from lightning_ep.moe.dispatch_capacity import CapacityDispatcher
+from lightning_ep.moe.dispatchers import check_graphs_plan, make_dispatcher
 from lightning_ep.moe.graphs import LayerGraphs
 
 
@@ -22,18 +24,32 @@ from lightning_ep.moe.graphs import LayerGraphs
         ({"max_tokens_per_rank": 64}, "symmetric_memory_dispatch=False, max_tokens_per_rank=64"),
     ],
 )
-def test_cuda_graphs_need_the_static_plan(kwargs: dict, shown: str) -> None:
-    message = f"MoEConfig.cuda_graphs=True captures the static plan of the symmetric-memory dispatch, but {shown}; "
-    with pytest.raises(ValueError, match=re.escape(message) + "set symmetric_memory_dispatch=True and"):
-        MoEConfig(cuda_graphs=True, **kwargs)
-    config = MoEConfig(symmetric_memory_dispatch=True, max_tokens_per_rank=64, cuda_graphs=True)
-    assert config.cuda_graphs
+def test_cuda_graphs_above_degree_1_need_the_static_plan(kwargs: dict, shown: str) -> None:
+    """Checked where the dispatcher is made (``make_dispatcher``), which knows the degree: at degree 1
+    the local dispatch is static already."""
+    config = MoEConfig(cuda_graphs=True, **kwargs)
+    check_graphs_plan(config, 1)
+    message = (
+        "MoEConfig.cuda_graphs=True at expert-parallel degree 2 captures the static plan of the symmetric-memory "
+        f"dispatch, but {shown}; set symmetric_memory_dispatch=True and"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_graphs_plan(config, 2)
+    check_graphs_plan(MoEConfig(symmetric_memory_dispatch=True, max_tokens_per_rank=64, cuda_graphs=True), 2)
+    assert isinstance(make_dispatcher(config, 8), LocalDispatcher)
 
 
-def test_layer_graphs_refuse_a_dispatcher_without_a_budget() -> None:
+def test_cuda_graphs_refuse_a_capacity_bound() -> None:
+    message = "MoEConfig.cuda_graphs=True captures a dropless dispatch (the local one at degree 1, the "
+    with pytest.raises(ValueError, match=re.escape(message) + ".*capacity_factor=1.25; set capacity_factor=None"):
+        MoEConfig(cuda_graphs=True, capacity_factor=1.25)
+
+
+def test_layer_graphs_take_a_dispatcher_with_a_static_plan_only() -> None:
     experts = GroupedExperts(nn.Parameter(torch.zeros(4, 16, 8)), nn.Parameter(torch.zeros(4, 8, 8)), F.silu)
-    with pytest.raises(ValueError, match="cuda_graphs=True needs the static plan"):
-        LayerGraphs(LocalDispatcher(4), experts)
+    LayerGraphs(LocalDispatcher(4), experts)
+    with pytest.raises(ValueError, match="needs a dispatch with a static plan, got CapacityDispatcher: the local"):
+        LayerGraphs(CapacityDispatcher(4, 1.0, "probs", None), experts)
 
 
 def _layer(config: MoEConfig) -> MoELayer:
@@ -44,8 +60,9 @@ def _layer(config: MoEConfig) -> MoELayer:
     return MoELayer(gate, GroupedExperts(w1, w2, F.silu), config).train()
 
 
-def test_one_process_runs_eagerly_with_the_same_numbers() -> None:
-    """At degree 1 there is no symmetric memory and no static plan: the option changes nothing."""
+def test_on_the_cpu_the_layer_runs_eagerly_with_the_same_numbers() -> None:
+    """CUDA graphs are CUDA's: on the CPU the local dispatch's graphs never capture, and the option
+    changes nothing (on GPUs, at degree 1: ``tests/gpu/test_cuda_graphs.py``)."""
     base = MoEConfig(moe_load_balancing="none", symmetric_memory_dispatch=True, max_tokens_per_rank=256)
     plain, graphed = _layer(base), _layer(MoEConfig(**{**base.__dict__, "cuda_graphs": True}))
     x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
@@ -56,6 +73,6 @@ def test_one_process_runs_eagerly_with_the_same_numbers() -> None:
             out = layer(xi)
             out.square().sum().backward()
         results.append([out.detach(), xi.grad, *(p.grad for p in layer.parameters())])
-    assert graphed._graphs() is None
+    assert graphed._layer_graphs is not None and graphed._layer_graphs.fwd is None
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
