@@ -5,7 +5,7 @@ Why: an MoE model holds most of its parameters in its experts, and each expert-p
 its experts whole, so the optimizer step streams every expert weight, its gradient and both moments
 once per step (14 bytes per bf16 parameter). torch's fused kernel walks its tensors in chunks of
 65,536 elements, at most 320 chunks per launch, and moves about 2.7 TB/s on an H200; one launch per
-large tensor, its grid covering the tensor, moves about 4.1 (``benchmarks/RESULTS.md``, Session 11).
+large tensor, its grid covering the tensor, moves about 4.1 TB/s (``benchmarks/RESULTS.md``, Session 11).
 
 The contract is torch's own fused AdamW, not an approximation of it: the kernel computes what
 ``torch._fused_adamw_`` computes, in the same order, with the same fused multiply-adds and correctly
@@ -20,6 +20,7 @@ the state dict are torch's, so checkpoints move freely between this class and
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -35,6 +36,23 @@ except ImportError:  # pragma: no cover - torch without distributed
 
 _BLOCK = 1024  # elements per program; 4 warps (the fastest of the sizes swept on an H200)
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """One parameter group's AdamW settings, as torch's fused kernel takes them."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    eps: float
+    maximize: bool
+
+    @classmethod
+    def of(cls, group: dict[str, Any]) -> Hyper:
+        beta1, beta2 = group["betas"]
+        return cls(float(group["lr"]), beta1, beta2, group["weight_decay"], group["eps"], group["maximize"])
 
 
 class AdamW(torch.optim.AdamW):
@@ -120,44 +138,19 @@ class AdamW(torch.optim.AdamW):
             steps.append(state["step"])
         if not params:
             return
-        lr, (beta1, beta2) = float(group["lr"]), group["betas"]
-        weight_decay, eps, maximize = group["weight_decay"], group["eps"], group["maximize"]
+        hyper = Hyper.of(group)
         big = [i for i, p in enumerate(params) if self._kernel_takes(p, grads[i], exp_avgs[i], exp_avg_sqs[i])]
         rest = sorted(set(range(len(params))) - set(big))
         if rest:
-            torch_fused_adamw(
-                [params[i] for i in rest],
-                [grads[i] for i in rest],
-                [exp_avgs[i] for i in rest],
-                [exp_avg_sqs[i] for i in rest],
-                [steps[i] for i in rest],
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=weight_decay,
-                eps=eps,
-                maximize=maximize,
-            )
+            pick = [[tensors[i] for i in rest] for tensors in (params, grads, exp_avgs, exp_avg_sqs, steps)]
+            torch_fused_adamw(pick[0], pick[1], pick[2], pick[3], pick[4], hyper)
         if big:
             big_steps = [steps[i] for i in big]
             torch._foreach_add_(big_steps, 1)
-            powers1 = torch._foreach_pow(beta1, big_steps)
-            powers2 = torch._foreach_pow(beta2, big_steps)
+            powers1 = torch._foreach_pow(hyper.beta1, big_steps)
+            powers2 = torch._foreach_pow(hyper.beta2, big_steps)
             for j, i in enumerate(big):
-                adamw_kernel_step(
-                    params[i],
-                    grads[i],
-                    exp_avgs[i],
-                    exp_avg_sqs[i],
-                    powers1[j],
-                    powers2[j],
-                    lr=lr,
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=weight_decay,
-                    eps=eps,
-                    maximize=maximize,
-                )
+                adamw_kernel_step(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], powers1[j], powers2[j], hyper)
 
     def _kernel_takes(self, p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> bool:
         """Whether ``p``'s update runs in the Triton kernel (else in ``torch._fused_adamw_``): a CUDA
@@ -208,13 +201,7 @@ def torch_fused_adamw(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-    maximize: bool,
+    hyper: Hyper,
 ) -> None:
     """What ``torch.optim.AdamW(fused=True)`` runs for these tensors: per device and dtype, the steps
     counted up, then ``torch._fused_adamw_``."""
@@ -231,30 +218,18 @@ def torch_fused_adamw(
             device_exp_avg_sqs,
             [],
             device_steps,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=weight_decay,
-            eps=eps,
+            lr=hyper.lr,
+            beta1=hyper.beta1,
+            beta2=hyper.beta2,
+            weight_decay=hyper.weight_decay,
+            eps=hyper.eps,
             amsgrad=False,
-            maximize=maximize,
+            maximize=hyper.maximize,
         )
 
 
 def adamw_kernel_step(
-    p: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    power1: Tensor,
-    power2: Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-    maximize: bool,
+    p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, power1: Tensor, power2: Tensor, hyper: Hyper
 ) -> None:
     """One AdamW update of ``p``, ``exp_avg`` and ``exp_avg_sq`` in place, in one kernel launch.
 
@@ -267,7 +242,7 @@ def adamw_kernel_step(
     count = p.numel()
     if count == 0:
         return
-    decay = torch.tensor(weight_decay, dtype=torch.float32).item() != 0  # torch tests the float32 value
+    decay = torch.tensor(hyper.weight_decay, dtype=torch.float32).item() != 0  # torch tests the float32 value
     kernels.adamw[(-(-count // _BLOCK),)](
         p,
         grad,
@@ -276,13 +251,13 @@ def adamw_kernel_step(
         power1,
         power2,
         count,
-        lr,
-        beta1,
-        beta2,
-        weight_decay,
-        eps,
+        hyper.lr,
+        hyper.beta1,
+        hyper.beta2,
+        hyper.weight_decay,
+        hyper.eps,
         DECAY=decay,
-        MAXIMIZE=maximize,
+        MAXIMIZE=hyper.maximize,
         BLOCK=_BLOCK,
         num_warps=4,
     )
