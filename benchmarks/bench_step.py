@@ -492,6 +492,7 @@ def main() -> None:
         if base.startswith("ep:"):
             if world() == 1:
                 label = "(d) lightning_ep (local dispatch)" + (f" + {option}" if option else "")
+                label += f" [{code} code]" if code else ""
             label += f", degree {world()}"
         log(f"--- {label}")
         try:
