@@ -183,6 +183,11 @@ def _check_group(group: dict[str, Any]) -> None:
                 f"lightning_ep.optim.AdamW does not take {key}=True; use torch.optim.AdamW({key}=True) for that "
                 "parameter group."
             )
+    if group.get("decoupled_weight_decay", True) is False:
+        raise ValueError(
+            "lightning_ep.optim.AdamW decouples its weight decay (AdamW), got decoupled_weight_decay=False in a "
+            "parameter group (a state saved by torch.optim.Adam?); use torch.optim.Adam(fused=True) for that."
+        )
     if group.get("foreach") or not group.get("fused"):
         raise ValueError(
             f"lightning_ep.optim.AdamW is always fused, got foreach={group.get('foreach')!r}, "

@@ -129,6 +129,7 @@ def test_refuses_what_it_does_not_take(kwargs: dict, error: type, match: str) ->
         ({"capturable": True}, "does not take capturable=True"),
         ({"foreach": True}, "is always fused, got foreach=True"),
         ({"fused": False}, "is always fused, got foreach=None, fused=False"),
+        ({"decoupled_weight_decay": False}, r"decouples its weight decay .* use torch.optim.Adam\(fused=True\)"),
     ],
 )
 def test_refuses_parameter_group_options_it_does_not_take(group: dict, match: str) -> None:
@@ -138,6 +139,9 @@ def test_refuses_parameter_group_options_it_does_not_take(group: dict, match: st
         optimizer.add_param_group({"params": params[2:], **group})
     saved = torch.optim.AdamW(params[:2], amsgrad=True).state_dict()
     with pytest.raises(ValueError, match="does not take amsgrad=True"):
+        optimizer.load_state_dict(saved)
+    saved = torch.optim.Adam(params[:2], fused=True).state_dict()
+    with pytest.raises(ValueError, match="got decoupled_weight_decay=False"):
         optimizer.load_state_dict(saved)
 
 
