@@ -1,5 +1,5 @@
-"""Shared helpers for every test tier: the tiny Mixtral factory, a relative-error helper, and a
-counter of CUDA host syncs.
+"""Shared helpers for every test tier: the tiny Mixtral factory, a relative-error helper, a
+counter of CUDA host syncs, and a one-process distributed environment for in-process Trainer runs.
 
 Import them from a test module with ``from conftest import tiny_mixtral_config`` (pytest puts this
 folder on ``sys.path``), or use the fixtures below. transformers is imported lazily so that
@@ -85,3 +85,21 @@ def tiny_config():
 def tiny_model():
     """A tiny ``MixtralForCausalLM`` (seed 0), in train mode."""
     return tiny_mixtral()
+
+
+@pytest.fixture
+def single_process(monkeypatch: pytest.MonkeyPatch):
+    """A free ``MASTER_ADDR``/``MASTER_PORT`` for a Trainer run in this process (one rank, gloo);
+    the default process group is destroyed afterwards."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

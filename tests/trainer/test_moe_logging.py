@@ -5,7 +5,6 @@ their cadence (``log_every_n_steps``), the per-layer values consistent with the 
 from __future__ import annotations
 
 import csv
-import socket
 from pathlib import Path
 
 import pytest
@@ -38,18 +37,6 @@ class Module(LightningModule):
         if self.optimizer is AdamW:
             return AdamW(self.parameters(), lr=1e-3)
         return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
-
-
-@pytest.fixture
-def single_process(monkeypatch: pytest.MonkeyPatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _fit(tmp_path: Path, optimizer: type) -> tuple[Module, list[dict[str, str]], list[torch.Tensor]]:

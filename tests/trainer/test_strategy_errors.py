@@ -6,7 +6,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
@@ -57,20 +56,6 @@ def _llama():
     return LlamaForCausalLM(
         LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
     )
-
-
-@pytest.fixture
-def single_process(monkeypatch: pytest.MonkeyPatch):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _fit(module: LightningModule, strategy: ExpertParallelStrategy, precision: str = "32-true") -> None:
