@@ -281,6 +281,12 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def add_record_args(parser: Any) -> None:
+    """``--record`` and ``--results``, which every script passes to ``report``."""
+    parser.add_argument("--record", action="store_true", help="append the table to --results")
+    parser.add_argument("--results", default=None, help="markdown file to append to (default benchmarks/RESULTS.md)")
+
+
 def report(title: str, table: str, notes: str, record: bool, results: str | None) -> None:
     """Print ``table`` (rank 0) and, with ``record``, append it to ``results`` (default RESULTS.md)."""
     log("\n" + table)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import dense_gemm_tflops, log, markdown_table, report, time_ms
+from _common import add_record_args, dense_gemm_tflops, log, markdown_table, report, time_ms
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts
@@ -61,8 +61,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[512, 1024, 2048, 4096], help="mean rows per expert")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--record", action="store_true", help="append the table to --results")
-    parser.add_argument("--results", default=None, help="markdown file to append to (default benchmarks/RESULTS.md)")
+    add_record_args(parser)
     args = parser.parse_args()
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -45,6 +45,7 @@ from _common import (
     SHAPES,
     Shape,
     Timer,
+    add_record_args,
     all_to_all_ms,
     count_host_syncs,
     dense_gemm_tflops,
@@ -339,8 +340,7 @@ def main() -> None:
     parser.add_argument("--balancing", default="none", choices=["none", "aux_loss", "sinkhorn", "balanced"])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--record", action="store_true", help="append the table to --results")
-    parser.add_argument("--results", default=None, help="markdown file to append to (default benchmarks/RESULTS.md)")
+    add_record_args(parser)
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _common import SHAPES, log, markdown_table, report, time_ms
+from _common import SHAPES, add_record_args, log, markdown_table, report, time_ms
 from torch import nn
 
 from lightning_ep.optim import AdamW
@@ -92,8 +92,7 @@ def main() -> None:
     parser.add_argument("--degrees", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--record", action="store_true", help="append the table to --results")
-    parser.add_argument("--results", default=None, help="markdown file to append to (default benchmarks/RESULTS.md)")
+    add_record_args(parser)
     args = parser.parse_args()
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

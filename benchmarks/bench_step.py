@@ -58,6 +58,7 @@ import torch.distributed as dist
 from _common import (
     SHAPES,
     Shape,
+    add_record_args,
     dense_gemm_tflops,
     log,
     markdown_table,
@@ -458,8 +459,7 @@ def main() -> None:
     parser.add_argument(
         "--trace", default=None, help="with --profile: also record host ops and write a Chrome trace per row here"
     )
-    parser.add_argument("--record", action="store_true", help="append the table to --results")
-    parser.add_argument("--results", default=None, help="markdown file to append to (default benchmarks/RESULTS.md)")
+    add_record_args(parser)
     args = parser.parse_args()
 
     import dataclasses

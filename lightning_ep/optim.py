@@ -48,11 +48,13 @@ class Hyper:
     weight_decay: float
     eps: float
     maximize: bool
+    decay: bool  # weight decay applied: torch tests its float32 value against 0
 
     @classmethod
     def of(cls, group: dict[str, Any]) -> Hyper:
         beta1, beta2 = group["betas"]
-        return cls(float(group["lr"]), beta1, beta2, group["weight_decay"], group["eps"], group["maximize"])
+        decay = torch.tensor(group["weight_decay"], dtype=torch.float32).item() != 0
+        return cls(float(group["lr"]), beta1, beta2, group["weight_decay"], group["eps"], group["maximize"], decay)
 
 
 class AdamW(torch.optim.AdamW):
@@ -247,7 +249,6 @@ def adamw_kernel_step(
     count = p.numel()
     if count == 0:
         return
-    decay = torch.tensor(hyper.weight_decay, dtype=torch.float32).item() != 0  # torch tests the float32 value
     kernels.adamw[(-(-count // _BLOCK),)](
         p,
         grad,
@@ -261,7 +262,7 @@ def adamw_kernel_step(
         hyper.beta2,
         hyper.weight_decay,
         hyper.eps,
-        DECAY=decay,
+        DECAY=hyper.decay,
         MAXIMIZE=hyper.maximize,
         BLOCK=_BLOCK,
         num_warps=4,
