@@ -177,7 +177,8 @@ def marked_forward(layer: MoELayer, x_TH: torch.Tensor, timeline: Timeline) -> t
     if layer.check_finite:
         assert stats.logits_finite is not None
         layer.nonfinite = ~(stats.logits_finite & layer._all_finite(out_TH))
-    out_TH = layer._account(out_TH, stats, dispatched.tokens_per_expert_E)
+    counts_E = dispatched.tokens_per_expert_E
+    out_TH = layer._account(out_TH, stats, counts_E, dispatched.state.get("kept_per_expert_E", counts_E))
     return mark(out_TH, timeline, "router", None)
 
 

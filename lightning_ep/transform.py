@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_ep.models.padding import watch_padding
 from lightning_ep.models.registry import family_for, find_moe_blocks, replace_module, supported_model_types
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
@@ -58,6 +59,7 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
             layer.train(block.training)
             replace_module(model, name, layer)
         _disable_hf_router_logits(model)
+    watch_padding(model)
     if mesh is not None:
         from lightning_ep.parallel.expert import parallelize_moe_layers
 

@@ -48,20 +48,28 @@ class MoEConfig:
             by plain top-k and adds no balancing loss. The z-loss is independent of the mode.
         global_token_shuffle: permute tokens across the ranks of an expert-parallel group before
             routing (with a permutation drawn from ``random_seed``), and restore the order after.
+            Each rank keeps its own number of tokens; when the ranks' counts differ, the z-loss
+            weighs each token as on the rank it came from (one small all-gather per model call).
         moe_all_to_all_dispatcher: ``True`` exchanges tokens with all-to-all; ``False`` gathers
             every token of the group on every rank and reduce-scatters the outputs.
-        moe_aux_loss_coeff: weight of the load-balancing loss (used with ``"aux_loss"``).
+        moe_aux_loss_coeff: weight of the load-balancing loss (used with ``"aux_loss"``), as SMP v2 and
+            Megatron-Core define it: ``E * sum_i f_i * P_i`` per layer, ``f_i`` the fraction of the
+            routed (token, expert) pairs that went to expert ``i`` (the ``f_i`` sum to 1), ``P_i`` the
+            mean router probability; 1.0 at perfectly even load. Hugging Face's
+            ``load_balancing_loss_func`` on one layer's logits is ``top_k`` times this.
         moe_z_loss_coeff: weight of the router z-loss ``mean(logsumexp(logits)^2)``; 0 disables it.
         router_dtype: dtype of the router's logits, softmax and Sinkhorn (never lower than fp32).
         sinkhorn_iterations: fixed number of Sinkhorn iterations (fixed, so no host sync).
         balance_update_rate: step size of the ``"balanced"`` bias update.
         capacity_factor: ``None`` is dropless. Otherwise each expert takes at most
-            ``ceil(capacity_factor * T * top_k / num_experts)`` rows from each rank (``T`` its tokens);
-            the rest are dropped (the token passes through the residual path), counted in
-            ``MoELayer.tokens_dropped``, and every all-to-all size is static (no host sync).
-            Needs the all-to-all dispatcher and the same number of tokens on every rank.
+            ``ceil((T * top_k / num_experts) * capacity_factor)`` rows from each rank (``T`` its real
+            tokens; Megatron-Core's ``get_capacity``); the rest are dropped (the token passes through
+            the residual path), counted in ``MoELayer.tokens_dropped``, and no split size is read
+            back. Needs the all-to-all dispatcher; ranks may hold different numbers of tokens (one
+            small all-gather per model call).
         drop_policy: which rows an over-capacity expert keeps: ``"probs"`` the highest routing
-            weights, ``"position"`` the earliest tokens.
+            weights, ``"position"`` the tokens earliest in their sequence (ties: the earlier
+            sequence), as Megatron-Core's ``[S, B]`` token order does.
         max_tokens_per_rank: dropless only: if the rows that arrive at one rank's experts in a layer
             exceed this, fail fast with a clear error instead of running out of memory. With
             ``symmetric_memory_dispatch`` it is also the static size of every rank's rows and tokens,

@@ -101,11 +101,16 @@ def block_of_rows(ends: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(ends, rows, right=True).clamp_(max=ends.numel() - 1)
 
 
-def count_ids(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Rows per expert (int64 ``[E]``) of unsorted ids, by an integer scatter-add: no host sync."""
-    flat = expert_ids.reshape(-1)
+def count_ids(expert_ids_TK: torch.Tensor, num_experts: int, valid_T: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows per expert (int64 ``[E]``) of unsorted ids, by an integer scatter-add: no host sync.
+
+    ``valid_T`` (bool ``[T]``): count the rows of those tokens only."""
+    flat = expert_ids_TK.reshape(-1)
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    return counts_E.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+    if valid_T is None:
+        return counts_E.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+    ones = valid_T.to(torch.int64)[:, None].expand(expert_ids_TK.shape).reshape(-1)
+    return counts_E.scatter_add_(0, flat, ones)
 
 
 def narrow_keys(keys: torch.Tensor, bound: int) -> torch.Tensor:

@@ -3,17 +3,20 @@
 Legend: T tokens on this rank, H hidden size, K experts per token, E global experts, D ranks of the
 expert-parallel group (1 on one process), L = E / D local experts, C capacity per (rank, expert).
 
-``C = ceil(capacity_factor * T * K / E)``. Each rank fills a ``[E, C, H]`` buffer, slot ``(e, c)``
-holding the ``c``-th row this rank keeps for expert ``e`` (zeros where fewer arrived). Which rows
-are kept when an expert is over capacity is the drop policy: ``"probs"`` keeps the highest routing
-weights, ``"position"`` the earliest tokens. A dropped (token, expert) pair contributes nothing to
-the layer output: the token still flows through the decoder's residual connection. The dropped
-count is returned so the layer can report it.
+``C = ceil((T * K / E) * capacity_factor)``, Megatron-Core's ``get_capacity`` (the same integer at
+exact boundaries), from each rank's own ``T``, as data parallelism of the unsharded model computes it
+on each rank's micro-batch. Each rank fills a ``[E, C_max, H]`` buffer, ``C_max`` the largest
+capacity in the group, slot ``(e, c)`` holding the ``c``-th row this rank keeps for expert ``e``
+(zeros where fewer arrived). Which rows are kept when an expert is over capacity is the drop
+policy: ``"probs"`` keeps the highest routing weights, ``"position"`` the tokens earliest in their
+sequence (ties: the earlier sequence), as Megatron-Core does on its ``[S, B]``-flattened tokens. A
+dropped (token, expert) pair contributes nothing to the layer output: the token still flows through
+the decoder's residual connection. The dropped count is returned so the layer can report it.
 
-Every size is static: the all-to-all exchanges ``L * C`` rows with each rank and each local expert
-runs on exactly ``D * C`` rows, so there is no device-to-host sync at all. Padding rows are zeros;
-a SwiGLU expert maps zero to zero and no output is read from them, so they change nothing.
-Capacities are computed from each rank's own ``T``: all ranks of a group must have the same ``T``.
+The all-to-all exchanges ``L * C_max`` rows with each rank and each local expert runs on exactly
+``D * C_max`` rows, so no split size is read back. When the ranks' token counts may differ, ``C_max``
+needs them: one all-gather of one integer per call of the model (``lightning_ep.moe.tokens``).
+Padding rows are zeros and no output is read from them, so they change nothing.
 """
 
 from __future__ import annotations
@@ -29,35 +32,75 @@ from lightning_ep.moe.dispatch import Dispatched, narrow_keys
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Rows each expert accepts from one rank: ``ceil(capacity_factor * T * K / E)``, at least 1."""
-    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+    """Rows each expert accepts from one rank: ``ceil((T * K / E) * capacity_factor)``, at least 1.
+
+    The float operations are Megatron-Core's (``get_capacity(T * K, E, capacity_factor)``), so the
+    integer is the same at exact boundaries, where ``capacity_factor * T * K / E`` may round the other
+    way (``T, K, E = 30, 6, 4`` and ``capacity_factor = 2.2``: ``ceil(2.2 * 30 * 6 / 4) = 99`` but
+    ``ceil((30 * 6 / 4) * 2.2) = ceil(99.00000000000001) = 100``).
+    """
+    return max(1, math.ceil((num_tokens * top_k / num_experts) * capacity_factor))
+
+
+def capacity_tensor(num_tokens: torch.Tensor, top_k: int, num_experts: int, capacity_factor: float) -> torch.Tensor:
+    """``capacity`` of a device-side token count (float64, the same operations: the same integer)."""
+    rows = num_tokens.to(torch.float64) * top_k
+    return torch.ceil((rows / num_experts) * capacity_factor).clamp_min(1).to(torch.int64)
 
 
 def keep_slots(
-    expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor | None, num_experts: int, cap: int, policy: DropPolicy
+    expert_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
+    num_experts: int,
+    cap: int | torch.Tensor,
+    policy: DropPolicy,
+    *,
+    positions_T: torch.Tensor | None = None,
+    valid_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Which (token, choice) pairs fit their expert's capacity, and where they go.
+    """Which (token, choice) pairs fit their expert's capacity, and their rank within the expert.
 
+    Args:
+        expert_ids_TK: chosen experts.
+        weights_TK: routing weights (the ``"probs"`` policy ranks by them).
+        num_experts: ``E``.
+        cap: rows each expert keeps (an int, or a 0-dim device tensor).
+        policy: ``"probs"`` or ``"position"``.
+        positions_T: int64 position of each token in its sequence (``"position"`` keeps the smallest,
+            ties by token order); ``None``: token order.
+        valid_T: bool, ``False`` at padded tokens, whose pairs are never kept and take no capacity.
     Returns:
-        ``slot_N`` (int64, ``expert * C + rank within the expert``, for every flat pair),
-        ``keep_N`` (bool: rank within the expert ``< C``) and ``counts_E`` (pairs per expert,
-        before dropping). No host sync.
+        ``rank_N`` (int64: the pair's rank within its expert, best first), ``keep_N`` (bool: a real
+        pair with rank ``< cap``) and ``counts_E`` (real pairs per expert, before dropping). No host sync.
     """
     flat_N = expert_ids_TK.reshape(-1)
-    n = flat_N.numel()
+    n, top_k = flat_N.numel(), expert_ids_TK.shape[1]
     if policy == "probs":
         assert weights_TK is not None
-        priority = torch.argsort(weights_TK.detach().reshape(-1), descending=True, stable=True)
+        score_N = weights_TK.detach().reshape(-1)
+        if valid_T is not None:  # padded pairs rank last
+            score_N = torch.where(valid_T.repeat_interleave(top_k), score_N, float("-inf"))
+        priority = torch.argsort(score_N, descending=True, stable=True)
     else:
-        priority = torch.arange(n, device=flat_N.device)
+        position_N = (
+            torch.arange(n, device=flat_N.device) if positions_T is None else positions_T.repeat_interleave(top_k)
+        )
+        if valid_T is not None:
+            position_N = torch.where(valid_T.repeat_interleave(top_k), position_N, torch.iinfo(torch.int64).max)
+        priority = torch.argsort(position_N, stable=True)
     # Stable sort by expert of the priority-ordered pairs: within each expert, best first.
     by_expert = priority[torch.argsort(narrow_keys(flat_N[priority], num_experts), stable=True)]
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_N.device)
-    counts_E.scatter_add_(0, flat_N, torch.ones_like(flat_N))
-    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    all_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_N.device)
+    all_E.scatter_add_(0, flat_N, torch.ones_like(flat_N))
+    starts_E = torch.cumsum(all_E, 0) - all_E
     rank_sorted = torch.arange(n, device=flat_N.device) - starts_E[flat_N[by_expert]]
     rank_N = torch.empty_like(rank_sorted).scatter_(0, by_expert, rank_sorted)
-    return flat_N * cap + rank_N, rank_N < cap, counts_E
+    keep_N = rank_N < cap
+    if valid_T is None:
+        return rank_N, keep_N, all_E
+    real_N = valid_T.repeat_interleave(top_k)
+    counts_E = torch.zeros_like(all_E).scatter_add_(0, flat_N, real_N.to(torch.int64))
+    return rank_N, keep_N & real_N, counts_E
 
 
 class CapacityDispatcher:
@@ -65,7 +108,7 @@ class CapacityDispatcher:
 
     Args:
         num_experts: global expert count ``E``.
-        capacity_factor: ``C = ceil(capacity_factor * T * K / E)``.
+        capacity_factor: ``C = ceil((T * K / E) * capacity_factor)``.
         drop_policy: ``"probs"`` or ``"position"``.
         group: the expert-parallel process group, or ``None``.
     """
@@ -82,31 +125,72 @@ class CapacityDispatcher:
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
 
-    #: The layer passes the routing weights to ``dispatch`` (the "probs" policy ranks by them).
+    #: The layer passes the routing weights (the "probs" policy ranks by them), the tokens' positions
+    #: in their sequences (the "position" policy) and, above one rank, every rank's token count.
     takes_weights = True
 
-    def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> Dispatched:
+    @property
+    def needs_group_tokens(self) -> bool:
+        """Whether ``dispatch`` needs every rank's token count (``group_tokens``)."""
+        return self.group is not None and self.degree > 1
+
+    def dispatch(
+        self,
+        x_TH: torch.Tensor,
+        expert_ids_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        *,
+        positions_T: torch.Tensor | None = None,
+        valid_T: torch.Tensor | None = None,
+        group_tokens: list[int] | None = None,
+    ) -> Dispatched:
+        """Rows for the local experts (still travelling above one rank).
+
+        Args:
+            positions_T: each token's position in its sequence (``"position"`` policy); ``None``: token order.
+            valid_T: bool, ``False`` at padded tokens (kept out of every expert; one process only,
+                where the layer keeps the call's shapes under ``torch.compile``): the capacity is then
+                that of the real tokens.
+            group_tokens: every rank's token count, in rank order (above one rank; ``None``: all ``T``).
+        """
         T, K = expert_ids_TK.shape
         E, L, D = self.num_experts, self.num_local_experts, self.degree
-        cap = capacity(T, K, E, self.capacity_factor)
-        slot_N, keep_N, counts_E = keep_slots(expert_ids_TK, weights_TK, E, cap, self.drop_policy)
-        # Buffer [E * C (+1), H]: row e * C + c is the c-th kept row for expert e, zeros where fewer
-        # arrived; dropped pairs all land in the extra last row, which is cut off (no compaction,
-        # so no host sync).
-        dest_N = torch.where(keep_N, slot_N, E * cap)
+        if valid_T is not None:
+            cap: int | torch.Tensor = capacity_tensor(valid_T.sum(), K, E, self.capacity_factor)
+            slots = capacity(T, K, E, self.capacity_factor)  # room for the largest count: all real
+        else:
+            cap = slots = capacity(T, K, E, self.capacity_factor)
+            if D > 1 and group_tokens is not None:
+                slots = max(capacity(t, K, E, self.capacity_factor) for t in group_tokens)
+        rank_N, keep_N, counts_E = keep_slots(
+            expert_ids_TK, weights_TK, E, cap, self.drop_policy, positions_T=positions_T, valid_T=valid_T
+        )
+        slot_N = expert_ids_TK.reshape(-1) * slots + rank_N
+        # Buffer [E * C_max (+1), H]: row e * C_max + c is the c-th kept row for expert e, zeros where
+        # fewer arrived; dropped pairs all land in the extra last row, which is cut off (no
+        # compaction, so no host sync).
+        dest_N = torch.where(keep_N, slot_N, E * slots)
         pair_rows_NH = x_TH.index_select(0, torch.arange(T * K, device=x_TH.device) // K)
-        send_XH = x_TH.new_zeros((E * cap + 1, x_TH.shape[1])).index_copy(0, dest_N, pair_rows_NH)[: E * cap]
-        counts_L = torch.full((L,), D * cap, dtype=torch.int64, device=x_TH.device)
-        state = {"slot_N": slot_N, "keep_N": keep_N, "cap": cap, "tokens_dropped": (~keep_N).sum()}
-        counts_host = [D * cap] * L  # known without a sync
+        send_XH = x_TH.new_zeros((E * slots + 1, x_TH.shape[1])).index_copy(0, dest_N, pair_rows_NH)[: E * slots]
+        counts_L = torch.full((L,), D * slots, dtype=torch.int64, device=x_TH.device)
+        dropped = counts_E.sum() - keep_N.sum()
+        state = {
+            "slot_N": slot_N,
+            "keep_N": keep_N,
+            "cap": slots,
+            "tokens_dropped": dropped,
+            # What Megatron-Core's "balanced" bias counts: the pairs each expert kept.
+            "kept_per_expert_E": torch.minimum(counts_E, torch.as_tensor(cap, device=counts_E.device)),
+        }
+        counts_host = [D * slots] * L  # known without a sync
         if self.group is None or D == 1:
             return Dispatched(send_XH, counts_L, counts_E, state, counts_host=counts_host)
-        splits = [L * cap] * D
+        splits = [L * slots] * D
         pending_XH, flight = start_all_to_all(send_XH, splits, splits, self.group)
 
         def arrive() -> torch.Tensor:
             recv_XH = finish_all_to_all(pending_XH, flight)  # [D, L, C, H] by source rank
-            return recv_XH.view(D, L, cap, -1).transpose(0, 1).reshape(L * D * cap, -1)  # [L, D, C, H]
+            return recv_XH.view(D, L, slots, -1).transpose(0, 1).reshape(L * D * slots, -1)  # [L, D, C, H]
 
         # The rows travel until the first read of x_MH (see Dispatched).
         return Dispatched(None, counts_L, counts_E, state, arrive=arrive, counts_host=counts_host)
@@ -123,6 +207,6 @@ class CapacityDispatcher:
             y_XH = y_MH
         T, K = weights_TK.shape
         # Dropped pairs read slot 0 and get weight 0: the same shapes, no contribution.
-        rows_NH = y_XH.index_select(0, torch.where(keep_N, slot_N, 0)).view(T, K, -1)
+        rows_NH = y_XH.index_select(0, torch.where(keep_N, slot_N, 0)).view(T, K, y_XH.shape[-1])
         weights = torch.where(keep_N.view(T, K), weights_TK, torch.zeros_like(weights_TK))
         return torch.bmm(weights.to(rows_NH.dtype).unsqueeze(1), rows_NH).squeeze(1)

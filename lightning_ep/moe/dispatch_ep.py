@@ -239,22 +239,31 @@ class AllGatherDispatcher:
     """Every rank gathers all tokens of the group, runs its local experts on the rows routed to
     them, weights them, and the partial outputs are reduce-scattered back to their ranks.
 
-    Needs the same number of tokens on every rank of the group. One host read (the number of rows
-    for the local experts) per layer.
+    Ranks may hold different numbers of tokens (``group_tokens``): each pads its rows to the largest
+    count with rows routed nowhere, so the gather and the reduce-scatter stay equal-sized. One host
+    read (the number of rows for the local experts) per layer.
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup) -> None:
         self.group, self.num_experts = group, num_experts
         self.degree, self.rank, self.num_local_experts = expert_layout(num_experts, group)
 
-    def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:
-        L, K = self.num_local_experts, expert_ids_TK.shape[1]
-        x_all_GH = all_gather_rows(x_TH, self.group)  # G = D * T
+    #: ``dispatch`` takes every rank's token count (``group_tokens``).
+    needs_group_tokens = True
+
+    def dispatch(
+        self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, *, group_tokens: list[int] | None = None
+    ) -> Dispatched:
+        """Rows for the local experts. ``group_tokens``: every rank's token count (``None``: all ``T``)."""
+        L, K, T = self.num_local_experts, expert_ids_TK.shape[1], x_TH.shape[0]
+        padded = max(group_tokens) if group_tokens is not None else T
+        # Rows past T pad this rank to the largest count; their id -1 matches no expert.
+        x_all_GH = all_gather_rows(_pad_rows(x_TH, padded, 0), self.group)  # G = D * padded
         with torch.no_grad():
-            ids_all_GK = all_gather_rows(expert_ids_TK, self.group)
-            # Local experts get keys 0..L-1, every other expert the key L (sorted last, dropped).
+            ids_all_GK = all_gather_rows(_pad_rows(expert_ids_TK, padded, -1), self.group)
+            # Local experts get keys 0..L-1, every other expert (and padding) the key L (sorted last, dropped).
             local_GK = ids_all_GK - self.rank * L
-            key_N = torch.where((local_GK >= 0) & (local_GK < L), local_GK, L).reshape(-1)
+            key_N = torch.where((local_GK >= 0) & (local_GK < L) & (ids_all_GK >= 0), local_GK, L).reshape(-1)
             sorted_key_N, order_N = torch.sort(narrow_keys(key_N, L + 1), stable=True)
             counts_L = expert_counts(sorted_key_N, L + 1)[:L]
             counts_host = counts_L.tolist()  # the one host sync
@@ -262,25 +271,35 @@ class AllGatherDispatcher:
         # Not a permutation (rows of other ranks' experts are left out): a plain index_select.
         x_MH = x_all_GH.index_select(0, torch.div(order_M, K, rounding_mode="floor"))
         tokens_per_expert_E = count_ids(expert_ids_TK, self.num_experts)
-        state = {"order_M": order_M, "rows": x_all_GH.shape[0]}
+        state = {"order_M": order_M, "rows": x_all_GH.shape[0], "padded": padded}
         return Dispatched(x_MH, counts_L, tokens_per_expert_E, state, counts_host=counts_host)
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        order_M = dispatched.state["order_M"]
-        K = weights_TK.shape[1]
-        weights_all_N = all_gather_rows(weights_TK, self.group).reshape(-1)
+        order_M, padded = dispatched.state["order_M"], dispatched.state["padded"]
+        T, K = weights_TK.shape
+        weights_all_N = all_gather_rows(_pad_rows(weights_TK, padded, 0), self.group).reshape(-1)
         weighted_MH = y_MH * weights_all_N.index_select(0, order_M).to(y_MH.dtype)[:, None]
         partial_GH = y_MH.new_zeros((dispatched.state["rows"], y_MH.shape[1]))
         partial_GH = partial_GH.index_add(0, torch.div(order_M, K, rounding_mode="floor"), weighted_MH)
-        return reduce_scatter_rows(partial_GH, self.group)
+        return reduce_scatter_rows(partial_GH, self.group)[:T]
+
+
+def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
+    """``x`` with ``rows - len(x)`` rows of ``value`` appended (``x`` itself when none); differentiable."""
+    missing = rows - x.shape[0]
+    if missing == 0:
+        return x
+    return torch.cat([x, x.new_full((missing, *x.shape[1:]), value)])
 
 
 class TokenShuffle:
     """Permute the tokens of an expert-parallel group across its ranks, and put them back.
 
-    The permutation ``P`` of the group's ``D * T`` tokens is drawn from a generator that is seeded
-    alike on every rank, so every rank knows every split size without communicating: new global
-    position ``q`` receives old global token ``P[q]``. Needs the same ``T`` on every rank.
+    The permutation ``P`` of the group's ``G = sum_r T_r`` tokens (rank ``r`` holds ``T_r``, old
+    global positions ``offset_r .. offset_r + T_r - 1``) is drawn from a generator that is seeded
+    alike on every rank, so every rank knows every split size from the token counts alone: new
+    global position ``q`` receives old global token ``P[q]``, and rank ``r`` keeps ``T_r`` tokens,
+    those at its own range of new positions.
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
@@ -288,15 +307,31 @@ class TokenShuffle:
         self.degree = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
-    def shuffle(self, x_TH: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
-        """Return this rank's tokens after the permutation, and the state ``unshuffle`` needs."""
+    def shuffle(
+        self,
+        x_TH: torch.Tensor,
+        generator: torch.Generator,
+        group_tokens: list[int] | None = None,
+        extra_T: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+        """This rank's tokens after the permutation, the state ``unshuffle`` needs (``state["source_T"]``:
+        the rank each new token came from, on the CPU), and ``extra_T`` (a per-token integer, e.g.
+        positions in the sequence) moved along with the tokens.
+
+        ``group_tokens``: every rank's token count in rank order (``None``: all ``T``)."""
         D, r, T = self.degree, self.rank, x_TH.shape[0]
-        perm = torch.randperm(D * T, generator=generator)  # on the CPU: splits need no device sync
+        counts = group_tokens if group_tokens is not None else [T] * D
+        if counts[r] != T:
+            raise RuntimeError(f"TokenShuffle: rank {r} holds {T} tokens but group_tokens says {counts[r]}.")
+        ends_D = torch.tensor(counts).cumsum(0)
+        start = int(ends_D[r]) - T
+        perm = torch.randperm(int(ends_D[-1]), generator=generator)  # on the CPU: splits need no device sync
         dest_of_old = inverse_permutation(perm)  # new position of each old global token
-        mine_old = dest_of_old[r * T : (r + 1) * T]
+        mine_old = dest_of_old[start : start + T]
+        owner_of_mine = torch.searchsorted(ends_D, mine_old, right=True)  # rank that receives each
         send_order = torch.argsort(mine_old, stable=True)  # my tokens by their new position
-        send_splits = torch.bincount(mine_old // T, minlength=D).tolist()
-        source_of_new = perm[r * T : (r + 1) * T] // T  # source rank of each of my new positions
+        send_splits = torch.bincount(owner_of_mine, minlength=D).tolist()
+        source_of_new = torch.searchsorted(ends_D, perm[start : start + T], right=True)  # source rank
         recv_order = torch.argsort(source_of_new, stable=True)  # buffer row i holds new position recv_order[i]
         recv_splits = torch.bincount(source_of_new, minlength=D).tolist()
 
@@ -312,7 +347,12 @@ class TokenShuffle:
             "unrecv_order": unrecv_order,
             "splits": (send_splits, recv_splits),
         }
-        return permute_rows(buffer_TH, unrecv_order, recv_order), state
+        state["source_T"] = source_of_new  # the rank each of my new tokens came from (CPU)
+        moved = None
+        if extra_T is not None:
+            buffer = all_to_all(extra_T.index_select(0, send_order), recv_splits, send_splits, self.group)
+            moved = buffer.index_select(0, unrecv_order)
+        return permute_rows(buffer_TH, unrecv_order, recv_order), state, moved
 
     def unshuffle(self, y_TH: torch.Tensor, state: dict) -> torch.Tensor:
         """The exact inverse of ``shuffle`` (and its adjoint in backward)."""

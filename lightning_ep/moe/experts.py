@@ -116,6 +116,8 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         dtypes = (torch.float32, torch.bfloat16, torch.float16)
     else:
         return False
+    if torch.compiler.is_compiling():
+        dtypes = (torch.bfloat16,)  # what the operator's meta function takes (torch 2.11-2.13)
     if x.dtype not in dtypes or any(w.dtype != x.dtype for w in weights):
         return False
     align = 16 // x.element_size()
@@ -167,6 +169,10 @@ class RoutedExperts(nn.Module):
         grouped_ok = use_grouped(x_NH, counts_L, weights[i], weights[j], self.use_grouped_mm)
         if grouped_ok and not self.prefers_per_expert(x_NH, counts_host, weights[i]):
             return grouped(x_NH, counts_L, weights, self.grad_scale)
+        if torch.compiler.is_compiling() and counts_host is None:
+            return with_grad_scale(
+                lambda x, *w: self.masked_forward(x, counts_L, list(w)), x_NH, weights, self.grad_scale
+            )
         counts = list(counts_host) if counts_host is not None else counts_L.tolist()
         rows = sum(counts)
         if len(counts) != weights[i].shape[0] or rows > x_NH.shape[0]:
@@ -179,6 +185,26 @@ class RoutedExperts(nn.Module):
         # A padded dispatch (symmetric memory with a row budget): the padding rows come out as zeros.
         y_NH = loop(x_NH[:rows], counts, weights, self.grad_scale)
         return torch.cat([y_NH, y_NH.new_zeros((x_NH.shape[0] - rows, *y_NH.shape[1:]))])
+
+    def expert(self, x_nH: torch.Tensor, e: int, weights: list[torch.Tensor]) -> torch.Tensor:
+        """Local expert ``e`` on rows ``x_nH`` (``weights``: the local, cast parameters)."""
+        raise NotImplementedError
+
+    def masked_forward(self, x_NH: torch.Tensor, counts_L: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        """The experts without host counts and without ``grouped_mm``, for a traced graph
+        (``torch.compile``, ``torch.export``) in a dtype whose ``grouped_mm`` cannot be traced (fp32:
+        the operator's meta function takes bf16 only): every local expert runs on every row and each
+        row keeps its own expert's output; rows past the counts (padding) come out zero. ``L`` times
+        the arithmetic of the grouped GEMM, no data-dependent shape."""
+        ends_L = torch.cumsum(counts_L.to(device=x_NH.device), dim=0)
+        rows_N = torch.arange(x_NH.shape[0], device=x_NH.device, dtype=ends_L.dtype)
+        expert_N = torch.searchsorted(ends_L, rows_N, right=True)  # L for padding rows: no expert
+        y_NH = None
+        for e in range(counts_L.shape[0]):
+            y_e = torch.where((expert_N == e)[:, None], self.expert(x_NH, e, weights), 0.0)
+            y_NH = y_e if y_NH is None else y_NH + y_e
+        assert y_NH is not None
+        return y_NH
 
     def prefers_per_expert(self, x_NH: torch.Tensor, counts_host: Sequence[int] | None, w_first: torch.Tensor) -> bool:
         """Whether ``use_grouped_mm=None`` picks the per-expert GEMMs for these rows (``w_first``: the
@@ -253,6 +279,9 @@ class GroupedExperts(RoutedExperts):
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
         self.act_fn = act_fn
+
+    def expert(self, x_nH: torch.Tensor, e: int, weights: list[torch.Tensor]) -> torch.Tensor:
+        return swiglu(x_nH @ weights[0][e].t(), self.act_fn) @ weights[1][e].t()
 
     def forward(
         self, x_NH: torch.Tensor, counts_L: torch.Tensor, counts_host: Sequence[int] | None = None

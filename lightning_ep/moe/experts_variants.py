@@ -87,6 +87,10 @@ class InterleavedGLUExperts(RoutedExperts):
         up = h_NF[..., 1::2].clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
+    def expert(self, x_nH: torch.Tensor, e: int, weights: list[torch.Tensor]) -> torch.Tensor:
+        w1_LHF, b1_LF, w2_LIH, b2_LH = weights
+        return self.glu(x_nH @ w1_LHF[e] + b1_LF[e]) @ w2_LIH[e] + b2_LH[e]
+
     def forward(
         self, x_NH: torch.Tensor, counts_L: torch.Tensor, counts_host: Sequence[int] | None = None
     ) -> torch.Tensor:

@@ -6,6 +6,7 @@ per token, M rows received by the local experts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -13,12 +14,13 @@ import torch
 from torch import nn
 
 from lightning_ep.moe.config import MoEConfig
-from lightning_ep.moe.dispatch import Dispatcher, LocalDispatcher
+from lightning_ep.moe.dispatch import Dispatcher, LocalDispatcher, count_ids
 from lightning_ep.moe.dispatchers import make_dispatcher
 from lightning_ep.moe.experts import RoutedExperts
 from lightning_ep.moe.losses import attach_losses, load_balancing_loss, z_loss
 from lightning_ep.moe.rng import DrawCounter, in_backward, make_generator
 from lightning_ep.moe.router import TopKRouter
+from lightning_ep.moe.tokens import TokenBatch, gather_counts, positions_in_sequence
 
 if TYPE_CHECKING:
     from lightning_ep.moe.dispatch_ep import KeptExchange, TokenShuffle
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 _JITTER_STREAM = 0
 _SHUFFLE_STREAM = 1
 _MAX_KEPT = 4  # KeptExchange entries per layer awaiting their recomputation
+_MAX_TOKEN_BATCHES = 64  # token batches of training forwards awaiting their recomputation, as DrawCounter
 # The layer's roles for its children; ``MoELayer(child_names=...)`` maps them to Hugging Face names.
 _ROLES = {"gate": "gate", "shared_experts": "shared_experts", "shared_experts_gate": "shared_experts_gate"}
 
@@ -41,26 +44,65 @@ class RouterStats(NamedTuple):
     logits_finite: torch.Tensor | None
 
 
-def route(gate: TopKRouter, x_TH: torch.Tensor, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
+class LayerTokens(NamedTuple):
+    """Which tokens one call of a layer routes, and what its dispatch needs to know of them.
+
+    Attributes:
+        real_N: int64 positions of the real tokens in the flattened input, when padding is left out
+            of the call (eager: the rows are selected, the output scattered back); ``None``: all.
+        valid_T: bool, ``False`` at padded tokens, when the call keeps its shapes instead (traced by
+            ``torch.compile``); ``None`` otherwise.
+        positions_T: each routed token's position in its sequence (the ``"position"`` drop policy).
+        group_tokens: every expert-parallel rank's token count, when the dispatch or the token shuffle
+            needs it (ranks may hold different numbers of tokens).
+    """
+
+    real_N: torch.Tensor | None
+    valid_T: torch.Tensor | None
+    positions_T: torch.Tensor | None
+    group_tokens: list[int] | None
+
+
+def route(
+    gate: TopKRouter,
+    x_TH: torch.Tensor,
+    check_finite: bool,
+    valid_T: torch.Tensor | None = None,
+    z_weight_T: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
     """Route ``x_TH`` and compute the statistics kept of it, in one pure function (so that
     ``MoELayer.compile_routing`` compiles it whole).
+
+    ``valid_T`` (bool, ``False`` at padded tokens, whose rows are zero): padded tokens take no part
+    in the losses, the entropy and Sinkhorn, get combine weight 0, and are spread over the experts
+    (token ``t``'s ``k``-th choice is expert ``(t * K + k) % E``, whatever its content), so that
+    their content changes nothing and they load no expert more than another. ``z_weight_T``: each
+    token's weight in the z-loss (see ``losses.z_loss``).
 
     Returns:
         ``expert_ids_TK`` (int64), ``weights_TK`` (router dtype) and the ``RouterStats``.
     """
-    routing = gate(x_TH)
-    probs_TE = routing.probs_TE
-    aux = load_balancing_loss(probs_TE, routing.expert_ids_TK)
-    zl = z_loss(routing.logits_TE)
-    entropy = mean_entropy(probs_TE.detach())
+    routing = gate(x_TH, valid_T)
+    probs_TE, expert_ids_TK, weights_TK = routing.probs_TE, routing.expert_ids_TK, routing.weights_TK
+    if valid_T is not None:
+        num_tokens, top_k = expert_ids_TK.shape
+        spread_TK = torch.arange(num_tokens * top_k, device=x_TH.device).view(num_tokens, top_k) % gate.num_experts
+        expert_ids_TK = torch.where(valid_T[:, None], expert_ids_TK, spread_TK)
+        weights_TK = torch.where(valid_T[:, None], weights_TK, 0.0)
+    aux = load_balancing_loss(probs_TE, expert_ids_TK, valid_T)
+    zl = z_loss(routing.logits_TE, valid_T, z_weight_T)
+    entropy = mean_entropy(probs_TE.detach(), valid_T)
     finite = torch.isfinite(routing.logits_TE.detach()).all() if check_finite else None
-    return routing.expert_ids_TK, routing.weights_TK, RouterStats(aux, zl, entropy, finite)
+    return expert_ids_TK, weights_TK, RouterStats(aux, zl, entropy, finite)
 
 
-def mean_entropy(probs_TE: torch.Tensor) -> torch.Tensor:
-    """0-dim mean over tokens of the entropy (nats) of each row of ``probs_TE``."""
+def mean_entropy(probs_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
+    """0-dim mean over (real, ``valid_T``) tokens of the entropy (nats) of each row of ``probs_TE``."""
     # entr(p) = -p log p with entr(0) = 0, and no NaN for a rank without tokens.
-    return torch.special.entr(probs_TE).sum() / max(probs_TE.shape[0], 1)
+    entropy_T = torch.special.entr(probs_TE).sum(dim=-1)
+    if valid_T is None:
+        return entropy_T.sum() / max(probs_TE.shape[0], 1)
+    return torch.where(valid_T, entropy_T, 0.0).sum() / valid_T.sum().clamp_min(1)
 
 
 def all_finite(x: torch.Tensor) -> torch.Tensor:
@@ -167,6 +209,10 @@ class MoELayer(nn.Module):
         self._route = route
         self._all_finite = all_finite
         self._layer_graphs: LayerGraphs | None = None
+        # The padding of the current model call, set by the model's forward pre-hook
+        # (``lightning_ep.models.padding``); ``None``: every token is real.
+        self.token_batch: TokenBatch | None = None
+        self._token_batches: dict[int, TokenBatch | None] = {}
 
     def compile_routing(self, **compile_kwargs: Any) -> None:
         """Run the router with its losses and statistics (``route``) and the output's finiteness
@@ -201,31 +247,50 @@ class MoELayer(nn.Module):
     def top_k(self) -> int:
         return self.gate.top_k
 
-    # Eager under torch.compile: the dispatch reads split sizes back to the host and the fast paths
-    # are Triton kernels behind custom autograd functions; a compiled decoder layer breaks its graph
-    # here (see ``lightning_ep.parallel.compile``).
-    @torch.compiler.disable
     def forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
-        """``[..., H]`` in, same shape out."""
+        """``[..., H]`` in, same shape out; padded positions (``token_batch``) come out zero.
+
+        On one process the layer is traceable (``torch.compile(model, fullgraph=True)``,
+        ``torch.export``); under expert parallelism it runs eagerly inside a compiled model: the
+        dispatch reads split sizes back to the host and the fast paths are Triton kernels behind
+        custom autograd functions, so a compiled decoder layer breaks its graph here (see
+        ``lightning_ep.parallel.compile``).
+        """
+        if self._traceable():
+            return self._forward(hidden_BSH)
+        return _eager_forward(self, hidden_BSH)
+
+    def _traceable(self) -> bool:
+        """Whether ``torch.compile`` may trace ``forward``: one process, no CUDA graphs."""
+        one_process = isinstance(self.dispatcher, LocalDispatcher) or getattr(self.dispatcher, "group", 0) is None
+        return one_process and self.shuffle is None and not self.config.cuda_graphs
+
+    def _forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
         shape = hidden_BSH.shape
+        draw_id = self._draw_id()
+        tokens = self._select_tokens(shape, draw_id, hidden_BSH.device)
         x_TH = hidden_BSH.reshape(-1, shape[-1])
-        draw_id = self._draws.next_id() if self.training else -1
+        if tokens.real_N is not None:
+            x_TH = x_TH.index_select(0, tokens.real_N)  # [N, H]: padded positions are left out
+        elif tokens.valid_T is not None:
+            x_TH = torch.where(tokens.valid_T[:, None], x_TH, 0)  # same shapes: padded rows zero
         if self.training and self.jitter_noise > 0:
             x_TH = x_TH * self._jitter(x_TH, draw_id)
-        shuffle_state = None
+        positions_T, shuffle_state, z_weight_T = tokens.positions_T, None, None
         if self.shuffle is not None:
             # The permutation is drawn on the CPU, so its split sizes need no device sync.
             generator = self._generator(draw_id, torch.device("cpu"), shared=True)
-            x_TH, shuffle_state = self.shuffle.shuffle(x_TH, generator)
+            x_TH, shuffle_state, positions_T = self.shuffle.shuffle(x_TH, generator, tokens.group_tokens, positions_T)
+            z_weight_T = _origin_weights(shuffle_state["source_T"], tokens.group_tokens, x_TH.device)
 
-        expert_ids_TK, weights_TK, stats = self._route(self.gate, x_TH, self.check_finite)
+        expert_ids_TK, weights_TK, stats = self._route(self.gate, x_TH, self.check_finite, tokens.valid_T, z_weight_T)
         graphs = self._graphs()
-        if graphs is not None and graphs.applies(x_TH, expert_ids_TK, weights_TK):
+        if graphs is not None and tokens.valid_T is None and graphs.applies(x_TH, expert_ids_TK, weights_TK):
             out_TH, tokens_per_expert_E = graphs(x_TH, expert_ids_TK, weights_TK)
-            shared_TH = self._shared(x_TH)
+            shared_TH, kept_E = self._shared(x_TH), tokens_per_expert_E
         else:
-            out_TH, shared_TH, tokens_per_expert_E = self._dispatch_and_combine(
-                x_TH, expert_ids_TK, weights_TK, draw_id
+            out_TH, shared_TH, tokens_per_expert_E, kept_E = self._dispatch_and_combine(
+                x_TH, expert_ids_TK, weights_TK, draw_id, tokens._replace(positions_T=positions_T)
             )
         if shared_TH is not None:
             out_TH = out_TH + shared_TH
@@ -234,23 +299,97 @@ class MoELayer(nn.Module):
             # A device-side flag, read by the caller once per step (no host sync here).
             assert stats.logits_finite is not None
             self.nonfinite = ~(stats.logits_finite & self._all_finite(out_TH))
-        out_TH = self._account(out_TH, stats, tokens_per_expert_E)
+        out_TH = self._account(out_TH, stats, tokens_per_expert_E, kept_E)
         if self.shuffle is not None and shuffle_state is not None:
             out_TH = self.shuffle.unshuffle(out_TH, shuffle_state)
+        if tokens.real_N is not None:  # back to [T, H], zeros at padded positions
+            out_TH = out_TH.new_zeros((hidden_BSH.numel() // shape[-1], shape[-1])).index_copy(0, tokens.real_N, out_TH)
         return out_TH.to(hidden_BSH.dtype).reshape(shape)
 
+    def _draw_id(self) -> int:
+        """The id of this training forward's random draws (``rng.DrawCounter``), ``-1`` in eval.
+
+        A traced forward (``torch.compile``) keeps no count: a Python counter would be a constant
+        of the graph, recompiled at every step. It then needs no draw at all (one process: no token
+        shuffle; compiled code recomputes without re-running this one), unless the router jitters.
+        """
+        if not self.training:
+            return -1
+        if torch.compiler.is_compiling():
+            if self.jitter_noise > 0:
+                raise RuntimeError(
+                    f"MoELayer {self.layer_index}: router jitter (router_jitter_noise={self.jitter_noise}) draws from "
+                    "lightning_ep's seeded per-step streams, which torch.compile cannot trace; train this model "
+                    "eagerly or with ExpertParallelStrategy(compile_layers=True), or set router_jitter_noise=0."
+                )
+            return -1
+        return self._draws.next_id()
+
+    def _select_tokens(self, shape: torch.Size, draw_id: int, device: torch.device) -> LayerTokens:
+        """Which tokens of an input of ``shape`` this call routes, and what the dispatch needs to know
+        of them (see ``LayerTokens``)."""
+        batch = self._token_batch_of(draw_id)
+        real_N = valid_T = None
+        if batch is not None:
+            if torch.compiler.is_compiling():
+                valid_T = batch.valid(shape)  # no data-dependent shapes in a traced graph
+            else:
+                real_N = batch.real_tokens(shape)
+        positions_T = None
+        if self.config.capacity_factor is not None and self.config.drop_policy == "position":
+            positions_T = positions_in_sequence(shape, device)
+            if real_N is not None:
+                positions_T = positions_T.index_select(0, real_N)
+        group_tokens = None
+        group = self.shuffle.group if self.shuffle is not None else None
+        if group is None and getattr(self.dispatcher, "needs_group_tokens", False):
+            group = self.dispatcher.group  # type: ignore[attr-defined]
+        if group is not None:
+            count = real_N.numel() if real_N is not None else math.prod(shape[:-1])
+            group_tokens = (
+                batch.group_counts(count, group, device) if batch is not None else gather_counts(count, group, device)
+            )
+        return LayerTokens(real_N, valid_T, positions_T, group_tokens)
+
+    def _token_batch_of(self, draw_id: int) -> TokenBatch | None:
+        """The ``TokenBatch`` of this call: the model's current one, or, for an activation-checkpointing
+        recomputation inside backward, the one its forward saw."""
+        if draw_id < 0:
+            return self.token_batch
+        if in_backward():
+            return self._token_batches.pop(draw_id, self.token_batch)
+        self._token_batches[draw_id] = self.token_batch
+        while len(self._token_batches) > _MAX_TOKEN_BATCHES:  # forwards that were never recomputed
+            del self._token_batches[next(iter(self._token_batches))]
+        return self.token_batch
+
     def _dispatch_and_combine(
-        self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, draw_id: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The routed experts' output ``[T, H]``, the shared experts' (or ``None``) and the tokens per
-        expert, eagerly."""
+        self,
+        x_TH: torch.Tensor,
+        expert_ids_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        draw_id: int,
+        tokens: LayerTokens,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """The routed experts' output ``[T, H]``, the shared experts' (or ``None``), the tokens per
+        expert and the (token, expert) pairs each expert kept, eagerly."""
         keep = self._exchange_to_keep(draw_id)
-        if getattr(self.dispatcher, "takes_weights", False):  # capacity: "probs" ranks rows by weight
-            dispatched = self.dispatcher.dispatch(x_TH, expert_ids_TK, weights_TK)  # type: ignore[call-arg]
+        dispatcher: Any = self.dispatcher
+        if getattr(dispatcher, "takes_weights", False):  # capacity: "probs" ranks rows by weight
+            dispatched = dispatcher.dispatch(
+                x_TH,
+                expert_ids_TK,
+                weights_TK,
+                positions_T=tokens.positions_T,
+                valid_T=tokens.valid_T,
+                group_tokens=tokens.group_tokens,
+            )
+        elif getattr(dispatcher, "needs_group_tokens", False):
+            dispatched = dispatcher.dispatch(x_TH, expert_ids_TK, group_tokens=tokens.group_tokens)
         elif keep is not None:
-            dispatched = self.dispatcher.dispatch(x_TH, expert_ids_TK, keep=keep)  # type: ignore[call-arg]
+            dispatched = dispatcher.dispatch(x_TH, expert_ids_TK, keep=keep)
         else:
-            dispatched = self.dispatcher.dispatch(x_TH, expert_ids_TK)
+            dispatched = dispatcher.dispatch(x_TH, expert_ids_TK)
         if "tokens_dropped" in dispatched.state:
             self.tokens_dropped = dispatched.state["tokens_dropped"]
         if self.overlap_shared:
@@ -261,7 +400,10 @@ class MoELayer(nn.Module):
             shared_TH = self._shared(x_TH)
         y_MH = self.experts(x_MH, dispatched.counts_L, dispatched.counts_host)
         out_TH = self.dispatcher.combine(y_MH, weights_TK, dispatched)
-        return out_TH, shared_TH, dispatched.tokens_per_expert_E
+        tokens_per_expert_E = dispatched.tokens_per_expert_E
+        if tokens.valid_T is not None and "kept_per_expert_E" not in dispatched.state:
+            tokens_per_expert_E = count_ids(expert_ids_TK, self.num_experts, tokens.valid_T)  # real tokens only
+        return out_TH, shared_TH, tokens_per_expert_E, dispatched.state.get("kept_per_expert_E", tokens_per_expert_E)
 
     def _graphs(self) -> LayerGraphs | None:
         """With ``config.cuda_graphs``, the CUDA graphs of this layer's dispatcher (made on first use;
@@ -274,20 +416,29 @@ class MoELayer(nn.Module):
             self._layer_graphs = LayerGraphs(self.dispatcher, self.experts)
         return self._layer_graphs
 
-    def _account(self, out_TH: torch.Tensor, stats: RouterStats, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        """Keep the router losses and the counts, attach the weighted losses."""
+    def _account(
+        self, out_TH: torch.Tensor, stats: RouterStats, tokens_per_expert_E: torch.Tensor, kept_E: torch.Tensor
+    ) -> torch.Tensor:
+        """Keep the router losses and the counts, attach the weighted losses. ``kept_E``: the pairs each
+        expert kept (below ``tokens_per_expert_E`` under a capacity), what ``"balanced"`` counts."""
         aux, zl = stats.aux_loss, stats.z_loss
+        if torch.compiler.is_exporting():  # an exported program keeps no module state
+            return attach_losses(out_TH, [aux, zl], self._loss_weights()) if self.training else out_TH
         self.aux_loss = aux.detach()
         self.z_loss = zl.detach()
         self.tokens_per_expert = tokens_per_expert_E.detach()
         self.router_entropy = stats.entropy
         if self.training and not in_backward():
-            self.gate.record_load(tokens_per_expert_E)
+            self.gate.record_load(kept_E)
         if not self.training:
             return out_TH
+        return attach_losses(out_TH, [aux, zl], self._loss_weights())
+
+    def _loss_weights(self) -> list[float]:
+        """The weights of ``[aux_loss, z_loss]`` in the gradients (0 for a loss that is off)."""
         aux_weight = self.config.moe_aux_loss_coeff * self.loss_scale if self.config.aux_loss_active else 0.0
         z_weight = self.config.moe_z_loss_coeff * self.loss_scale if self.config.z_loss_active else 0.0
-        return attach_losses(out_TH, [aux, zl], [aux_weight, z_weight])
+        return [aux_weight, z_weight]
 
     def _exchange_to_keep(self, draw_id: int) -> KeptExchange | None:
         """With ``keep_all_to_all``: a new ``KeptExchange`` for a training forward, the one it
@@ -338,3 +489,19 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_index={self.layer_index}, dispatcher={type(self.dispatcher).__name__}"
+
+
+def _origin_weights(
+    source_T: torch.Tensor, group_tokens: list[int] | None, device: torch.device
+) -> torch.Tensor | None:
+    """After the token shuffle, each token's weight ``T / T_source`` in this rank's mean over its
+    ``T`` tokens, so that a per-token loss weighs every token as data parallelism does (by ``1 / T_s``
+    on its own rank ``s``); ``None`` when every rank holds as many tokens (all weights 1)."""
+    if group_tokens is None or len(set(group_tokens)) == 1:
+        return None
+    counts = torch.tensor(group_tokens, dtype=torch.float64)
+    return (source_T.numel() / counts[source_T]).to(device=device)
+
+
+# ``forward`` when the layer must run eagerly inside a compiled model (see ``MoELayer.forward``).
+_eager_forward = torch.compiler.disable(MoELayer._forward)

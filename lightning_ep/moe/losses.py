@@ -10,33 +10,63 @@ from typing import Any
 import torch
 
 
-def load_balancing_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
-    """Switch/GShard load-balancing loss ``E * sum_i f_i * P_i`` of one layer.
+def load_balancing_loss(
+    probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor, valid_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Load-balancing loss ``E * sum_i f_i * P_i`` of one layer, as SMP v2 and Megatron-Core define it.
 
-    ``f_i`` is the fraction of the ``T`` tokens that picked expert ``i`` (counting every one of the
-    ``K`` choices, so ``sum_i f_i = K``) and ``P_i`` the mean router probability of expert ``i``.
-    Equals ``transformers``' ``load_balancing_loss_func`` given this layer's logits alone, when the
-    ids are the top-k of the same softmax. Gradients flow through ``P`` only.
+    ``f_i`` is the fraction of the routed (token, expert) pairs that went to expert ``i``: its count
+    divided by ``T * K``, so the ``f_i`` sum to 1; ``P_i`` is the mean router probability of expert
+    ``i``. Perfectly even routing gives 1 whatever the probabilities. Megatron-Core's
+    ``switch_load_balancing_loss_func`` computes exactly this (before its coefficient), and
+    ``transformers``' ``load_balancing_loss_func`` on this layer's logits alone is ``K`` times it
+    (its ``f_i`` sum to ``K``). Gradients flow through ``P`` only.
 
     Args:
         probs_TE: softmax of the router logits, ``[T, E]``, float.
         expert_ids_TK: chosen experts, ``[T, K]``, int64.
+        valid_T: bool ``[T]``, ``False`` at padded positions, which then count neither in ``f`` nor
+            in ``P`` (``T`` becomes the number of real tokens); ``None``: every token is real.
     Returns:
-        0-dim tensor in the dtype of ``probs_TE``.
+        0-dim tensor in the dtype of ``probs_TE``; 0 when there is no real token.
     """
     num_tokens, num_experts = probs_TE.shape
+    top_k = expert_ids_TK.shape[1]
     counts_E = torch.zeros(num_experts, dtype=probs_TE.dtype, device=probs_TE.device)
-    counts_E.scatter_add_(
-        0, expert_ids_TK.reshape(-1), torch.ones_like(expert_ids_TK, dtype=probs_TE.dtype).reshape(-1)
-    )
-    fraction_E = counts_E / num_tokens
-    mean_prob_E = probs_TE.mean(dim=0)
+    ones_TK = torch.ones_like(expert_ids_TK, dtype=probs_TE.dtype)
+    if valid_T is None:
+        real: torch.Tensor | int = max(num_tokens, 1)
+        prob_sums_E = probs_TE.sum(dim=0)
+    else:
+        ones_TK = ones_TK * valid_T[:, None]
+        real = valid_T.sum().clamp_min(1).to(probs_TE.dtype)
+        prob_sums_E = torch.where(valid_T[:, None], probs_TE, 0.0).sum(dim=0)
+    counts_E.scatter_add_(0, expert_ids_TK.reshape(-1), ones_TK.reshape(-1))
+    fraction_E = counts_E / (real * top_k)
+    mean_prob_E = prob_sums_E / real
     return num_experts * torch.sum(fraction_E * mean_prob_E)
 
 
-def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    """Router z-loss ``mean_t(logsumexp(logits_t)^2)`` (ST-MoE): keeps router logits small."""
-    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+def z_loss(
+    logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None, weight_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Router z-loss ``mean_t(logsumexp(logits_t)^2)`` (ST-MoE): keeps router logits small.
+
+    Args:
+        logits_TE: router logits.
+        valid_T: bool ``[T]``: the mean runs over real tokens only; 0 when there is none.
+        weight_T: a per-token weight of each token's term (the sum is still divided by the number of
+            tokens): the token shuffle gives a token that came from a rank with ``T_s`` tokens the
+            weight ``T / T_s``, its weight in that rank's own mean.
+    """
+    squares_T = torch.logsumexp(logits_TE, dim=-1).square()
+    if weight_T is not None:
+        squares_T = squares_T * weight_T.to(squares_T.dtype)
+    if valid_T is None:
+        if weight_T is not None:
+            return squares_T.sum() / max(logits_TE.shape[0], 1)
+        return squares_T.mean() if logits_TE.shape[0] else squares_T.sum()
+    return torch.where(valid_T, squares_T, 0.0).sum() / valid_T.sum().clamp_min(1)
 
 
 class _AttachLosses(torch.autograd.Function):

@@ -17,7 +17,12 @@ _MASK = (1 << 63) - 1
 
 
 def in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. activation checkpointing recomputes)."""
+    """True while autograd runs a backward pass (e.g. activation checkpointing recomputes).
+
+    Always ``False`` in code traced by ``torch.compile``: a traced forward is never re-run by
+    autograd's backward (a compiled graph's recomputation is part of the compiled backward)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 

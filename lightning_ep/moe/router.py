@@ -71,7 +71,7 @@ class Routing:
     weights_TK: torch.Tensor
 
 
-def sinkhorn_log(logits_TE: torch.Tensor, iterations: int) -> torch.Tensor:
+def sinkhorn_log(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor | None = None) -> torch.Tensor:
     """Log of the Sinkhorn-balanced version of ``softmax``-like scores ``exp(logits)``.
 
     Alternately rescales rows to sum to 1 and columns to sum to ``T / E``, in the log domain so
@@ -80,15 +80,26 @@ def sinkhorn_log(logits_TE: torch.Tensor, iterations: int) -> torch.Tensor:
     Args:
         logits_TE: float ``[T, E]``.
         iterations: number of row + column rescalings.
+        valid_T: bool ``[T]``, ``False`` at padded positions: their rows take no part in the column
+            sums (which then target ``N / E``, ``N`` the real tokens); their own log-scores are
+            ``-inf``. ``None``: every token is real.
     Returns:
-        ``[T, E]`` log-scores; ``exp`` of it has column sums ``T / E`` exactly and row sums ~1.
+        ``[T, E]`` log-scores; ``exp`` of the real rows has column sums ``N / E`` exactly and row
+        sums ~1.
     """
     num_tokens, num_experts = logits_TE.shape
-    log_col_target = math.log(num_tokens / num_experts)
+    if num_tokens == 0:
+        return logits_TE
+    if valid_T is None:
+        log_col_target: torch.Tensor | float = math.log(num_tokens / num_experts)
+    else:
+        log_col_target = torch.log(valid_T.sum().clamp_min(1).to(logits_TE.dtype) / num_experts)
     log_u_T = torch.zeros(num_tokens, dtype=logits_TE.dtype, device=logits_TE.device)
     log_v_E = torch.zeros(num_experts, dtype=logits_TE.dtype, device=logits_TE.device)
     for _ in range(iterations):
         log_u_T = -torch.logsumexp(logits_TE + log_v_E[None, :], dim=1)
+        if valid_T is not None:  # a padded row weighs nothing in the column sums
+            log_u_T = log_u_T.masked_fill(~valid_T, float("-inf"))
         log_v_E = log_col_target - torch.logsumexp(logits_TE + log_u_T[:, None], dim=0)
     return logits_TE + log_u_T[:, None] + log_v_E[None, :]
 
@@ -216,8 +227,12 @@ class TopKRouter(nn.Module):
             self.pending_load = load.to(device=self.pending_load.device)
         return self
 
-    def forward(self, x_TH: torch.Tensor) -> Routing:
-        """Route ``x_TH`` (any float dtype); everything inside runs in the router dtype."""
+    def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
+        """Route ``x_TH`` (any float dtype); everything inside runs in the router dtype.
+
+        ``valid_T`` (bool ``[T]``, ``False`` at padded positions) keeps padded rows out of the
+        Sinkhorn normalisation; their choices are whatever their scores give (the caller drops them).
+        """
         dtype = self.router_dtype
         bias = None if self.bias is None else self.bias.to(dtype)
         logits_TE = F.linear(x_TH.to(dtype), self.weight.to(dtype), bias)
@@ -229,7 +244,7 @@ class TopKRouter(nn.Module):
             probs_TE = torch.softmax(logits_TE, dim=-1)
             scores_TE = logits_TE if self.scoring == "topk_softmax" else probs_TE
         with torch.no_grad():
-            expert_ids_TK = torch.topk(self._selection(logits_TE, scores_TE), self.top_k, dim=-1).indices
+            expert_ids_TK = torch.topk(self._selection(logits_TE, scores_TE, valid_T), self.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(1, expert_ids_TK)
         if self.scoring == "topk_softmax":
             weights_TK = torch.softmax(weights_TK, dim=-1)
@@ -240,10 +255,14 @@ class TopKRouter(nn.Module):
             weights_TK = weights_TK * self.scaling_factor
         return Routing(logits_TE, probs_TE, expert_ids_TK, weights_TK)
 
-    def _selection(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+    def _selection(
+        self, logits_TE: torch.Tensor, scores_TE: torch.Tensor, valid_T: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``[T, E]`` scores whose top-k are the chosen experts (no gradient flows through them)."""
         if self.mode == "sinkhorn" and self.training:
-            selection_TE = sinkhorn_log(logits_TE.detach(), self.sinkhorn_iterations)
+            selection_TE = sinkhorn_log(logits_TE.detach(), self.sinkhorn_iterations, valid_T)
+            if valid_T is not None:  # padded rows are -inf throughout; any finite choice will do
+                selection_TE = selection_TE.masked_fill(~valid_T[:, None], 0.0)
             if self.n_group > 1:  # groups are scored by sums of scores, not of log-scores
                 selection_TE = selection_TE.exp()
         else:

@@ -34,18 +34,65 @@ def test_load_balancing_loss_hand_example():
     assert hf.item() == pytest.approx(1.15, abs=1e-6)
 
 
-def test_load_balancing_loss_uniform_probs_equals_top_k():
-    # P_e = 1/E for every expert and sum_e f_e = K, so E * sum f_e / E = K whatever the choice.
+def test_load_balancing_loss_uniform_probs_is_one():
+    # P_e = 1/E for every expert and sum_e f_e = 1, so E * sum f_e / E = 1 whatever the choice.
     probs = torch.full((6, 4), 0.25)
     ids = torch.tensor([[0, 1], [0, 1], [0, 2], [0, 3], [1, 2], [0, 1]])
-    assert load_balancing_loss(probs, ids).item() == pytest.approx(2.0, abs=1e-6)
+    assert load_balancing_loss(probs, ids).item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_load_balancing_loss_even_routing_is_one():
+    # Every expert gets T * K / E pairs: f_e = 1/E, so the loss is sum_e P_e = 1 for any probs.
+    probs = torch.softmax(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), dim=-1)
+    ids = torch.tensor([[0, 1], [2, 3]] * 4)
+    assert load_balancing_loss(probs, ids).item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_load_balancing_loss_is_megatrons_formula():
+    """Megatron-Core's ``switch_load_balancing_loss_func`` (before its coefficient): ``sum_e(sum_t p_te *
+    count_e) * E / (K * T * T)``, by hand on a T=5, E=4, K=2 example; ``transformers``'
+    ``load_balancing_loss_func`` is ``K`` times it."""
+    probs = torch.tensor(
+        [
+            [0.4, 0.3, 0.2, 0.1],
+            [0.1, 0.6, 0.2, 0.1],
+            [0.3, 0.2, 0.15, 0.35],
+            [0.7, 0.1, 0.05, 0.15],
+            [0.2, 0.25, 0.5, 0.05],
+        ],
+        dtype=torch.float64,
+    )
+    ids = torch.tensor([[0, 1], [1, 2], [0, 3], [0, 1], [2, 0]])
+    # counts = [4, 3, 2, 1]; column sums of p = [1.7, 1.45, 1.1, 0.75].
+    expected = (1.7 * 4 + 1.45 * 3 + 1.1 * 2 + 0.75 * 1) * 4 / (2 * 5 * 5)
+    assert load_balancing_loss(probs, ids).item() == pytest.approx(expected, abs=1e-12)
+    # HF picks the top-k of the probabilities itself (and softmaxes its input: log-probs give them back).
+    top_ids = torch.topk(probs, 2, dim=-1).indices
+    hf = load_balancing_loss_func((probs.log().float(),), 4, 2)
+    assert hf.item() == pytest.approx(2 * load_balancing_loss(probs, top_ids).item(), rel=1e-6)
+
+
+def test_load_balancing_and_z_loss_leave_out_padded_tokens():
+    """With ``valid_T`` the losses equal those of the real tokens alone, and are 0 without any."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    probs = torch.softmax(logits, dim=-1)
+    ids = torch.topk(probs, 2, dim=-1).indices
+    valid = torch.tensor([True, False, True, True, False, True])
+    assert load_balancing_loss(probs, ids, valid).item() == pytest.approx(
+        load_balancing_loss(probs[valid], ids[valid]).item(), abs=1e-12
+    )
+    assert z_loss(logits, valid).item() == pytest.approx(z_loss(logits[valid]).item(), abs=1e-12)
+    none = torch.zeros(6, dtype=torch.bool)
+    assert load_balancing_loss(probs, ids, none).item() == 0.0 and z_loss(logits, none).item() == 0.0
+    assert load_balancing_loss(probs[:0], ids[:0]).item() == 0.0 and z_loss(logits[:0]).item() == 0.0
 
 
 def test_load_balancing_loss_gradient_flows_through_probs_only():
     probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]], requires_grad=True)
     ids = torch.tensor([[0], [0], [1], [0]])
     load_balancing_loss(probs, ids).backward()
-    # d/dP[t, e] of E * sum_e f_e * mean_t P[t, e] = E * f_e / T = 2 * [0.75, 0.25] / 4.
+    # d/dP[t, e] of E * sum_e f_e * mean_t P[t, e] = E * f_e / T = 2 * [0.75, 0.25] / 4 (K = 1).
     assert torch.allclose(probs.grad, torch.tensor([[0.375, 0.125]]).expand(4, 2))
 
 
@@ -88,7 +135,7 @@ def test_layer_losses_match_hf_per_layer(mode):
     layers = lightning_ep.moe_layers(model)
     assert len(layers) == len(hf_logits) == 2
     for layer, logits in zip(layers, hf_logits, strict=True):
-        expected_aux = load_balancing_loss_func((logits,), E, K)
+        expected_aux = load_balancing_loss_func((logits,), E, K) / K  # HF's f_e sum to K, ours to 1
         assert layer.aux_loss.shape == () and not layer.aux_loss.requires_grad
         assert rel_err(layer.aux_loss, expected_aux) < 1e-6
         expected_z = torch.log(torch.exp(logits).sum(dim=-1)).square().mean()
@@ -100,7 +147,7 @@ def test_layer_losses_match_hf_per_layer(mode):
     # The two layers see different logits, so a pooled (all-layer) loss would differ from each.
     pooled = load_balancing_loss_func(tuple(hf_logits), E, K)
     assert not torch.allclose(layers[0].aux_loss, layers[1].aux_loss)
-    assert not torch.allclose(pooled, layers[0].aux_loss)
+    assert not torch.allclose(pooled / K, layers[0].aux_loss)
 
 
 # ---------------------------------------------------------------- gradients from the attached losses
@@ -129,7 +176,7 @@ def _router_loss_grad(weight: torch.Tensor, x: torch.Tensor, aux: float, z: floa
     logits = x.reshape(-1, H) @ w.t()
     probs = torch.softmax(logits, dim=-1)
     ids = torch.topk(probs, K, dim=-1).indices
-    fraction = F.one_hot(ids, E).sum(dim=(0, 1)).float() / logits.shape[0]
+    fraction = F.one_hot(ids, E).sum(dim=(0, 1)).float() / (logits.shape[0] * K)
     lb = E * (fraction * probs.mean(dim=0)).sum()
     zl = torch.logsumexp(logits, dim=-1).square().mean()
     (grad,) = torch.autograd.grad(aux * lb + z * zl, w)
@@ -197,7 +244,7 @@ def test_no_grad_forward_records_losses_without_attaching():
     assert out.grad_fn is None
     logits = x.reshape(-1, H) @ layer.gate.weight.detach().t()
     assert rel_err(layer.z_loss, torch.logsumexp(logits, -1).square().mean()) < 1e-6
-    assert rel_err(layer.aux_loss, load_balancing_loss_func((logits,), E, K)) < 1e-6
+    assert rel_err(layer.aux_loss, load_balancing_loss_func((logits,), E, K) / K) < 1e-6
 
 
 def test_losses_attach_once_per_forward_even_if_output_is_reused():

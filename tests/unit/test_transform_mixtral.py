@@ -49,10 +49,11 @@ def _capture_router_logits(model: nn.Module) -> tuple[list[torch.Tensor], list]:
 
 
 def _hand_load_balancing(logits_TE: torch.Tensor) -> torch.Tensor:
-    """Switch loss of one layer: E * sum_e f_e * P_e, f counting every top-k choice."""
+    """Megatron-Core's load-balancing loss of one layer: E * sum_e f_e * P_e, f_e the fraction of the
+    T * K (token, expert) pairs routed to e."""
     probs = torch.softmax(logits_TE.float(), dim=-1)
     ids = torch.topk(probs, TOP_K, dim=-1).indices
-    fraction = F.one_hot(ids, NUM_EXPERTS).sum(dim=(0, 1)).float() / logits_TE.shape[0]
+    fraction = F.one_hot(ids, NUM_EXPERTS).sum(dim=(0, 1)).float() / (logits_TE.shape[0] * TOP_K)
     return NUM_EXPERTS * (fraction * probs.mean(dim=0)).sum()
 
 
