@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_ep.models.hf_compat import keep_hf_behaviour, refuse_transformers_expert_parallelism
 from lightning_ep.models.padding import watch_padding
 from lightning_ep.models.registry import family_for, find_moe_blocks, replace_module, supported_model_types
 from lightning_ep.moe.config import MoEConfig
@@ -46,6 +46,7 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
     if not config.smp_moe:
         return model
     if not moe_layers(model):
+        refuse_transformers_expert_parallelism(model)
         family = family_for(model)
         blocks = find_moe_blocks(model, family)
         if not blocks:
@@ -58,7 +59,7 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
             _check_same_parameters(name, block, layer)
             layer.train(block.training)
             replace_module(model, name, layer)
-        _disable_hf_router_logits(model)
+        keep_hf_behaviour(model)
     watch_padding(model)
     if mesh is not None:
         from lightning_ep.parallel.expert import parallelize_moe_layers
@@ -84,16 +85,3 @@ def _check_same_parameters(name: str, block: nn.Module, layer: MoELayer) -> None
             f"adapter bug at {name}: block buffers {sorted(buffers_before)} are not all kept by the MoE layer "
             f"(its state dict: {sorted(buffers_after)}); it must adopt every persistent buffer under the same name."
         )
-
-
-def _disable_hf_router_logits(model: nn.Module) -> None:
-    # transformers collects router logits with hooks on its own router class, which MoELayer no
-    # longer calls; the layers attach their own (per-layer) aux loss to the gradients instead.
-    hf_config = getattr(model, "config", None)
-    if getattr(hf_config, "output_router_logits", False):
-        warnings.warn(
-            "transform(model): config.output_router_logits was True; it is set to False because the "
-            "MoE layers add their own load-balancing loss (MoEConfig.moe_aux_loss_coeff) to the gradients.",
-            stacklevel=3,
-        )
-        hf_config.output_router_logits = False  # type: ignore[union-attr]

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_ep.models.hf_compat import keep_replaced
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.experts import GroupedExperts, RoutedExperts
 from lightning_ep.moe.experts_variants import InterleavedGLUExperts
@@ -131,6 +132,7 @@ class MoEFamily:
             topk_group=int(_field(hf_config, self.topk_group, 1) or 1),
             scaling_factor=float(_field(hf_config, self.routed_scaling_factor, 1.0) or 1.0),
         )
+        keep_replaced(gate, block.get_submodule(self.router_name))
         names = {"gate": self.router_name}
         shared = {}
         for role, child in (("shared_experts", self.shared_experts), ("shared_experts_gate", self.shared_experts_gate)):
@@ -153,6 +155,11 @@ class MoEFamily:
         return layer
 
     def _build_experts(self, block: nn.Module, hf_config: Any) -> RoutedExperts:
+        experts = self._experts_of(block, hf_config)
+        keep_replaced(experts, block.get_submodule(self.gate_up_proj.rpartition(".")[0]))
+        return experts
+
+    def _experts_of(self, block: nn.Module, hf_config: Any) -> RoutedExperts:
         if self.expert_layout == "interleaved":
             return InterleavedGLUExperts(
                 block.get_parameter(self.gate_up_proj),

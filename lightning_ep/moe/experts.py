@@ -131,6 +131,9 @@ class RoutedExperts(nn.Module):
     and applies the gradient scale."""
 
     gate_up_proj: nn.Parameter
+    #: As transformers' experts modules declare it (their weights hold a gate): tools that find a
+    #: model's routed experts by it find these.
+    has_gate = True
 
     def __init__(self, use_grouped_mm: bool | None) -> None:
         super().__init__()
@@ -142,6 +145,16 @@ class RoutedExperts(nn.Module):
     def num_experts(self) -> int:
         """Global number of experts (the first dim of the global weight shape)."""
         return self.gate_up_proj.shape[0]
+
+    @num_experts.setter
+    def num_experts(self, value: int) -> None:
+        # transformers' own expert parallelism sets this on the experts it shards.
+        raise RuntimeError(
+            f"something set num_experts={value} on lightning_ep's {type(self).__name__}: transformers' own expert "
+            "parallelism (DistributedConfig(ep_size=...)) is being applied to experts that lightning_ep.transform "
+            "replaced, and the two cannot be combined. Load the model without DistributedConfig(ep_size=...) and let "
+            "lightning_ep.transform(model, mesh=...) or ExpertParallelStrategy split the experts."
+        )
 
     #: Size of an average expert's first GEMM (GFLOP: 2 x mean rows x that weight's elements) from
     #: which ``use_grouped_mm=None`` runs one cuBLAS GEMM per expert instead of the grouped GEMM, on

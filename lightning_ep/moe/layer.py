@@ -36,12 +36,33 @@ _ROLES = {"gate": "gate", "shared_experts": "shared_experts", "shared_experts_ga
 
 class RouterStats(NamedTuple):
     """What the layer keeps of one routing: the load-balancing and z-losses (0-dim, with grad), the
-    router entropy (0-dim, detached) and, when checked, whether every router logit is finite."""
+    router entropy (0-dim, detached), when checked whether every router logit is finite, and the router
+    logits ``[T, E]`` themselves (with grad; see ``MoELayer.router_logits``)."""
 
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
     entropy: torch.Tensor
     logits_finite: torch.Tensor | None
+    logits_TE: torch.Tensor
+
+
+class RouterLogits(nn.Module):
+    """The identity on a layer's ``[T, E]`` router logits (one row per position of the layer's input,
+    zeros at padded positions, the shuffle undone). The layer holds it outside its children (no state,
+    and the children stay the Hugging Face block's) and calls it only while it has forward hooks:
+    Hugging Face's ``output_router_logits`` records router logits with one (``models.hf_compat``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Whether the hooks want this call's logits (``None``: always); set with the hooks.
+        self.wanted: Any = None
+
+    def forward(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        return logits_TE
+
+    def active(self) -> bool:
+        """Whether a call would be recorded: hooks are installed and they want it."""
+        return bool(self._forward_hooks) and (self.wanted is None or self.wanted())
 
 
 class LayerTokens(NamedTuple):
@@ -93,7 +114,7 @@ def route(
     zl = z_loss(routing.logits_TE, valid_T, z_weight_T)
     entropy = mean_entropy(probs_TE.detach(), valid_T)
     finite = torch.isfinite(routing.logits_TE.detach()).all() if check_finite else None
-    return expert_ids_TK, weights_TK, RouterStats(aux, zl, entropy, finite)
+    return expert_ids_TK, weights_TK, RouterStats(aux, zl, entropy, finite, routing.logits_TE)
 
 
 def mean_entropy(probs_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
@@ -209,6 +230,13 @@ class MoELayer(nn.Module):
         self._route = route
         self._all_finite = all_finite
         self._layer_graphs: LayerGraphs | None = None
+        # Not a registered child: the layer's children stay the Hugging Face block's.
+        self.router_logits: RouterLogits
+        object.__setattr__(self, "router_logits", RouterLogits())
+        # From ``models.hf_compat``: transformers' experts implementation of the replaced block, run
+        # as ``hf_experts(experts, x, ids, weights)`` while ``hf_experts.active()`` (the model's
+        # ``config._experts_implementation`` names it); ``None``: always this library's experts.
+        self.hf_experts: Any = None
         # The padding of the current model call, set by the model's forward pre-hook
         # (``lightning_ep.models.padding``); ``None``: every token is real.
         self.token_batch: TokenBatch | None = None
@@ -284,6 +312,8 @@ class MoELayer(nn.Module):
             z_weight_T = _origin_weights(shuffle_state["source_T"], tokens.group_tokens, x_TH.device)
 
         expert_ids_TK, weights_TK, stats = self._route(self.gate, x_TH, self.check_finite, tokens.valid_T, z_weight_T)
+        if self.router_logits.active():
+            self._emit_router_logits(stats.logits_TE, tokens, shuffle_state, shape)
         graphs = self._graphs()
         if graphs is not None and tokens.valid_T is None and graphs.applies(x_TH, expert_ids_TK, weights_TK):
             out_TH, tokens_per_expert_E = graphs(x_TH, expert_ids_TK, weights_TK)
@@ -324,6 +354,17 @@ class MoELayer(nn.Module):
                 )
             return -1
         return self._draws.next_id()
+
+    def _emit_router_logits(
+        self, logits_TE: torch.Tensor, tokens: LayerTokens, shuffle_state: dict | None, shape: torch.Size
+    ) -> None:
+        """Pass the router logits, one row per position of the input, through ``router_logits``."""
+        if self.shuffle is not None and shuffle_state is not None:
+            logits_TE = self.shuffle.unshuffle(logits_TE, shuffle_state)
+        if tokens.real_N is not None:
+            rows = math.prod(shape[:-1])
+            logits_TE = logits_TE.new_zeros((rows, logits_TE.shape[1])).index_copy(0, tokens.real_N, logits_TE)
+        self.router_logits(logits_TE)
 
     def _select_tokens(self, shape: torch.Size, draw_id: int, device: torch.device) -> LayerTokens:
         """Which tokens of an input of ``shape`` this call routes, and what the dispatch needs to know
@@ -373,6 +414,11 @@ class MoELayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """The routed experts' output ``[T, H]``, the shared experts' (or ``None``), the tokens per
         expert and the (token, expert) pairs each expert kept, eagerly."""
+        if self.hf_experts is not None and self.hf_experts.active():  # transformers' own implementation
+            self._check_hf_experts()
+            out_TH = self.hf_experts(self.experts, x_TH, expert_ids_TK, weights_TK)
+            counts_E = count_ids(expert_ids_TK, self.num_experts, tokens.valid_T)
+            return out_TH, self._shared(x_TH), counts_E, counts_E
         keep = self._exchange_to_keep(draw_id)
         dispatcher: Any = self.dispatcher
         if getattr(dispatcher, "takes_weights", False):  # capacity: "probs" ranks rows by weight
@@ -404,6 +450,18 @@ class MoELayer(nn.Module):
         if tokens.valid_T is not None and "kept_per_expert_E" not in dispatched.state:
             tokens_per_expert_E = count_ids(expert_ids_TK, self.num_experts, tokens.valid_T)  # real tokens only
         return out_TH, shared_TH, tokens_per_expert_E, dispatched.state.get("kept_per_expert_E", tokens_per_expert_E)
+
+    def _check_hf_experts(self) -> None:
+        """transformers' experts implementations are dropless and hold every expert: refuse them here
+        when the layer splits its experts across ranks or bounds them by a capacity."""
+        if isinstance(self.dispatcher, LocalDispatcher):
+            return
+        raise ValueError(
+            f"MoE layer {self.layer_index}: the model's config._experts_implementation is "
+            f"{self.hf_experts.implementation!r}, one of transformers' implementations, which compute every expert "
+            f"on one process without a capacity; this layer's dispatch is {type(self.dispatcher).__name__}. Call "
+            "model.set_experts_implementation('lightning_ep') to use lightning_ep's experts."
+        )
 
     def _graphs(self) -> LayerGraphs | None:
         """With ``config.cuda_graphs``, the CUDA graphs of this layer's dispatcher (made on first use;

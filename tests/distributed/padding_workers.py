@@ -152,3 +152,26 @@ def run_pad_content(rank: int, world: int, cases: list[RaggedCase]) -> None:
             assert torch.equal(grads_a[name], grads_b[name]), (tag, name)
         for (ca, da), (cb, db) in zip(counts_a, counts_b, strict=True):
             assert torch.equal(ca, cb) and torch.equal(da, db), tag
+
+
+def run_router_logits(rank: int, world: int, shuffle: bool) -> None:
+    """``output_router_logits=True`` under expert parallelism (with the token shuffle undone) returns
+    each layer's logits of this rank's positions, as the untouched one-process model gives them."""
+    import warnings
+
+    reference = tiny_mixtral(output_router_logits=True)
+    model = copy.deepcopy(reference)
+    mesh = lightning_ep.init_mesh(2, device_type="cpu")
+    config = MoEConfig(moe_load_balancing="none", global_token_shuffle=shuffle)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' aux loss beside ours
+        lightning_ep.transform(model, config, mesh=mesh)
+    lightning_ep.shard_model(model, mesh)
+    batch = micro_batch(0, rank, padded=True)
+    ours, theirs = model(**batch), reference(**batch)
+    real = batch["attention_mask"].reshape(-1).bool()
+    assert len(ours.router_logits) == len(theirs.router_logits) == 2
+    for a, b in zip(ours.router_logits, theirs.router_logits, strict=True):
+        assert a.shape == b.shape and rel_err(a[real], b[real]) < RTOL, (rank, shuffle)
+        assert torch.all(a[~real] == 0)
+    assert rel_err(ours.aux_loss, theirs.aux_loss) < RTOL

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from harness import spawn
-from padding_workers import RaggedCase, run_pad_content, run_ragged
+from padding_workers import RaggedCase, run_pad_content, run_ragged, run_router_logits
 
 pytestmark = pytest.mark.distributed
 
@@ -50,3 +50,8 @@ def test_padded_ragged_batches_match_data_parallel() -> None:
 
 def test_pad_content_changes_nothing_under_expert_parallelism() -> None:
     spawn(run_pad_content, 2, PAD_CONTENT)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_router_logits_under_expert_parallelism(shuffle: bool) -> None:
+    spawn(run_router_logits, 2, shuffle)

@@ -262,20 +262,6 @@ def test_transform_keeps_eval_mode():
     assert rel_err(model(ids).logits, reference(ids).logits) < 1e-5
 
 
-def test_output_router_logits_is_switched_off_with_a_warning():
-    reference = tiny_mixtral(output_router_logits=False)
-    model = copy.deepcopy(reference)
-    model.config.output_router_logits = True
-    with pytest.warns(UserWarning, match=re.escape("config.output_router_logits was True; it is set to False")):
-        lightning_ep.transform(model, MoEConfig(moe_load_balancing="none", moe_z_loss_coeff=0.0))
-    assert model.config.output_router_logits is False
-    ids = _tokens()
-    out = model(input_ids=ids, labels=ids)
-    assert out.aux_loss is None
-    # The loss is the LM loss alone: HF's pooled router loss is not added on top.
-    assert rel_err(out.loss, reference(input_ids=ids, labels=ids).loss) < 1e-6
-
-
 def test_transform_twice_is_idempotent(recwarn):
     model = tiny_mixtral(output_router_logits=True)
     with pytest.warns(UserWarning):
