@@ -248,3 +248,32 @@ def test_router_jitter_refuses_a_traced_training_forward() -> None:
         compiled(input_ids=torch.randint(0, 128, (2, 8)))
     model.eval()
     compiled(input_ids=torch.randint(0, 128, (2, 8)))  # no jitter in eval: traces
+
+
+def test_monitor_statistics_leave_out_padding() -> None:
+    """``MoEMonitor``'s window (``MoELoadMetric`` fed the layers' values, as the callback does) counts the
+    real tokens only: a padded call and the same call with its padding cut off give the same counts,
+    dead experts and dropped fraction."""
+    from lightning_ep.callbacks import MoELoadMetric
+
+    model = lightning_ep.transform(tiny_mixtral(), MoEConfig(moe_load_balancing="none", capacity_factor=0.5)).eval()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    padded = {"input_ids": torch.cat([ids, torch.zeros(1, 6, dtype=torch.long)], 1)}
+    padded["attention_mask"] = torch.cat([torch.ones(1, 12), torch.zeros(1, 6)], 1).long()
+    windows = []
+    for batch in (padded, {"input_ids": ids}):
+        model(**batch)
+        layers = lightning_ep.moe_layers(model)
+        metric = MoELoadMetric(len(layers), 8, 2)
+        metric.update(
+            torch.stack([layer.tokens_per_expert for layer in layers]),
+            torch.stack([layer.router_entropy for layer in layers]),
+            torch.stack([layer.aux_loss for layer in layers]),
+            torch.stack([layer.z_loss for layer in layers]),
+            torch.stack([layer.tokens_dropped for layer in layers]),
+        )
+        windows.append(metric.compute())
+    assert windows[0]["moe_tokens"].item() == 2 * 12
+    assert torch.equal(windows[0]["tokens_per_expert"], windows[1]["tokens_per_expert"])
+    for name in ("dead_experts", "tokens_dropped_frac", "load_imbalance"):
+        assert torch.allclose(windows[0]["model"][name], windows[1]["model"][name]), name
