@@ -27,8 +27,9 @@ _BLOCK_H = 1024
 
 
 def fused_combine_available(y_NH: torch.Tensor) -> bool:
-    """Whether the Triton kernel runs for ``y_NH`` (a CUDA tensor, Triton importable)."""
-    return y_NH.is_cuda and _triton() is not None
+    """Whether the Triton kernel runs for ``y_NH`` (a CUDA tensor, Triton importable, not in a graph
+    that ``torch.compile`` traces: there the torch version is compiled instead)."""
+    return y_NH.is_cuda and not torch.compiler.is_compiling() and _triton() is not None
 
 
 def weighted_combine(

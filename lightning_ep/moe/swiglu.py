@@ -33,8 +33,9 @@ def is_silu(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
 
 
 def fused_swiglu_available(h_NF: torch.Tensor) -> bool:
-    """Whether the Triton kernel runs for ``h_NF`` (a CUDA tensor, Triton importable)."""
-    return h_NF.is_cuda and _triton() is not None
+    """Whether the Triton kernel runs for ``h_NF`` (a CUDA tensor, Triton importable, not in a graph
+    that ``torch.compile`` traces: there the torch version is compiled instead)."""
+    return h_NF.is_cuda and not torch.compiler.is_compiling() and _triton() is not None
 
 
 def swiglu(

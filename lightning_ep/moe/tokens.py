@@ -74,7 +74,9 @@ class TokenBatch:
 def gather_counts(count: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
     """``count`` of every rank of ``group``, in rank order: one all-gather of one integer per rank and
     one host read."""
-    mine = torch.tensor([count], dtype=torch.int64, device=device)
+    mine = torch.tensor([count], dtype=torch.int64)
+    if device.type == "cuda":  # a pinned copy, so that only the read of the result waits
+        mine = mine.pin_memory().to(device, non_blocking=True)
     every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(every, mine, group=group)
     return every.tolist()
