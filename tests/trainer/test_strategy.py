@@ -165,5 +165,7 @@ def test_bf16_mixed_logs_moe_losses(runs: dict) -> None:
     for key in keys:
         values = [float(r[key]) for r in rows if r.get(key)]
         assert len(values) == 4 and all(math.isfinite(v) and v > 0 for v in values), (key, values)
-    # The aux loss of a balanced router is ~top_k = 2 per layer (E * sum f_i P_i with f, P ~ uniform).
-    assert all(1.5 < float(r["moe/layer_0/aux_loss"]) < 3.0 for r in rows if r.get("moe/layer_0/aux_loss"))
+    # The aux loss of a balanced router is ~1 per layer (E * sum f_i P_i with f, P ~ uniform, the f_i summing
+    # to 1 as in SMP and Megatron-Core), so ~2 for the sum over the two layers.
+    assert all(0.75 < float(r["moe/layer_0/aux_loss"]) < 1.5 for r in rows if r.get("moe/layer_0/aux_loss"))
+    assert all(1.5 < float(r["moe/aux_loss"]) < 3.0 for r in rows if r.get("moe/aux_loss"))
