@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_ep.models.init import materialize
@@ -29,7 +30,7 @@ from lightning_ep.models.pretrained import PRETRAINED_ATTR
 from lightning_ep.models.registry import family_for, find_moe_blocks
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
-from lightning_ep.parallel.balance import update_expert_biases
+from lightning_ep.parallel.balance import update_biases_after_each_step
 from lightning_ep.parallel.compile import compile_for_training
 from lightning_ep.parallel.fsdp import (
     check_all_sharded,
@@ -183,6 +184,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.check_finite = check_finite
         self.deterministic = deterministic
         self._hf_model: nn.Module | None = None
+        self._bias_hooks: list[RemovableHandle] = []
         self._step_checks = StepChecks(check_finite=check_finite, log_losses=log_moe_losses)
 
     @property
@@ -263,8 +265,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            for optimizer in self.optimizers:
-                optimizer.register_step_pre_hook(self._before_optimizer_step)
+            self._bias_hooks = update_biases_after_each_step(self.optimizers, hf_model)
         self.setup_precision_plugin()
         use_mesh_aware_clipping(self.precision_plugin)
         self._step_checks = StepChecks(check_finite=self.check_finite, log_losses=self.log_moe_losses)
@@ -347,11 +348,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         for layer in self._layers():  # CUDA graphs hold the NCCL communicator (MoEConfig.cuda_graphs)
             layer.release_graphs()
+        for handle in self._bias_hooks:  # a later fit's optimizers get their own
+            handle.remove()
         super().teardown()
-
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._hf_model is not None:
-            update_expert_biases(self._hf_model)
 
     # ----------------------------------------------------------------------------- checkpoints
 

@@ -76,6 +76,9 @@ class Module(LightningModule):
         self.aux_losses: list[list[float]] = []  # per micro-batch: each MoE layer's aux loss, mean over ranks
         self.poison_step = -1
         self.poisoned = False
+        self.record_balance = False
+        self.loads: list[dict] = []  # per micro-batch: the step it belongs to, tokens per expert summed over ranks
+        self.biases: list[dict] = []  # after each micro-batch: global_step, every layer's "balanced" bias
 
     def configure_model(self) -> None:
         if self.model is None and self.pretrained is not None:
@@ -108,10 +111,37 @@ class Module(LightningModule):
         aux = torch.stack([layer.aux_loss for layer in lightning_ep.moe_layers(self.model)])
         dist.all_reduce(aux)
         self.aux_losses.append((aux / dist.get_world_size()).tolist())
+        if self.record_balance:
+            load = torch.stack([layer.tokens_per_expert for layer in lightning_ep.moe_layers(self.model)])
+            dist.all_reduce(load)
+            self.loads.append({"step": self.global_step, "load": load.tolist()})
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.record_balance:
+            biases = [layer.gate.selection_bias.tolist() for layer in lightning_ep.moe_layers(self.model)]
+            self.biases.append({"step": self.global_step, "biases": biases})
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=1e-6, foreach=False)
+
+
+class ManualModule(Module):
+    """Manual optimization: ``manual_backward`` per batch, ``opt.step()`` every ``accumulate`` batches."""
+
+    def __init__(self, lr: float, accumulate: int, pretrained: str | None = None) -> None:
+        super().__init__(lr, pretrained)
+        self.automatic_optimization = False
+        self.accumulate = accumulate
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss / self.accumulate)
+        if (batch_idx + 1) % self.accumulate == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
 
 
 class SaveAt(Callback):
@@ -168,7 +198,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
         strategy=strategy,
         precision=args.precision,
         max_steps=args.steps,
-        accumulate_grad_batches=args.accumulate,
+        accumulate_grad_batches=1 if args.manual else args.accumulate,
         gradient_clip_val=args.clip,
         logger=logger,
         callbacks=callbacks,
@@ -178,8 +208,12 @@ def run_trainer(args: argparse.Namespace) -> dict:
         enable_model_summary=False,
         use_distributed_sampler=True,
     )
-    module = Module(args.lr, pretrained=args.pretrained)
+    if args.manual:
+        module: Module = ManualModule(args.lr, args.accumulate, pretrained=args.pretrained)
+    else:
+        module = Module(args.lr, pretrained=args.pretrained)
     module.poison_step = args.poison_step
+    module.record_balance = args.mode == "balanced"
     if args.slow_save_from is not None:
         slow_down_saves_from({"trainer": trainer}, args.slow_save_from, 600.0)
     data = DataLoader(Tokens(args.samples), batch_size=args.batch, shuffle=False, drop_last=True)
@@ -196,6 +230,9 @@ def run_trainer(args: argparse.Namespace) -> dict:
         "compiled_graphs": counters["stats"]["unique_graphs"],
         "losses": module.losses,
         "aux_losses": module.aux_losses,
+        "loads": module.loads,
+        "biases": module.biases,
+        "global_step": trainer.global_step,
         "degree": strategy.degree,
         "checkpointed": bool(checkpointed),
         "keep_all_to_all": bool(kept) and all(kept),  # set on every layer, nothing left pending
@@ -259,6 +296,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="ExpertParallelStrategy(compile_layers=True)")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--save-to", default=None)
+    parser.add_argument("--manual", action="store_true", help="manual optimization; opt.step() every --accumulate")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--pretrained", default=None, help="fine-tune from this save_pretrained folder")

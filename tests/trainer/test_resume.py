@@ -1,0 +1,92 @@
+"""Resuming through the real Trainer (gloo, ``torchrun``): every balancing mode reproduces the
+uninterrupted run, and the ``"balanced"`` bias moves by the counts of its own step.
+
+The uninterrupted runs (4 processes, degree 2, a checkpoint after optimizer step 2 of 4) are shared
+by the module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_strategy import assert_close, run
+
+pytestmark = pytest.mark.distributed
+
+RATE = 0.001  # MoEConfig.balance_update_rate's default, which fit_worker.py keeps
+# Per mode: the uninterrupted run's extra arguments. "balanced" accumulates two micro-batches per step
+# and saves a full checkpoint file; the others save sharded (DCP) checkpoints.
+MODES = {
+    "sinkhorn": (),
+    "aux_loss": (),
+    "balanced": ("--batch", "1", "--accumulate", "2", "--full-checkpoint"),
+    "none": (),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Each mode's uninterrupted run, saving ``<mode>.ckpt`` after step 2."""
+    tmp = tmp_path_factory.mktemp("resume")
+    runs = {
+        mode: run(tmp, mode, "--degree", "2", "--mode", mode, *args, "--save-to", str(tmp / f"{mode}.ckpt"))
+        for mode, args in MODES.items()
+    }
+    return {"tmp": tmp, **runs}
+
+
+def _bias_after_each_step(result: dict) -> dict[int, torch.Tensor]:
+    """``{global_step: [layers, experts] biases}`` as they were after that optimizer step."""
+    return {record["step"]: torch.tensor(record["biases"]) for record in result["biases"]}
+
+
+def _check_bias_steps(result: dict, first_step: int = 0) -> None:
+    """After each optimizer step the bias moved by ``RATE * sign(mean - load)``, ``load`` the tokens per
+    expert that the layer recorded in that step's own micro-batches, summed over ranks; the bias after
+    ``first_step`` is zero (a fresh model, or a bias the resume did not find in the checkpoint)."""
+    after = _bias_after_each_step(result)
+    loads: dict[int, torch.Tensor] = {}
+    for record in result["loads"]:  # the step a micro-batch belongs to is the global step during its forward
+        load = torch.tensor(record["load"], dtype=torch.float32)
+        loads[record["step"]] = loads.get(record["step"], 0) + load
+    bias = after.get(first_step, torch.zeros(2, 8))
+    assert torch.count_nonzero(bias) == 0
+    steps = range(first_step + 1, result["global_step"] + 1)
+    assert list(steps) and set(loads) == {s - 1 for s in steps}
+    for step in steps:
+        load = loads[step - 1]
+        bias = bias + RATE * torch.sign(load.mean(dim=1, keepdim=True) - load)  # as TopKRouter.update_bias
+        assert torch.equal(after[step], bias), (step, after[step], bias)
+    assert torch.count_nonzero(bias) > 0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_resume_reproduces_the_uninterrupted_run(saved: dict, mode: str) -> None:
+    """Resumed from step 2, the losses are the uninterrupted run's (1e-6), and so are the biases."""
+    tmp, full = saved["tmp"], saved[mode]
+    checkpoint = tmp / f"{mode}.ckpt"
+    resumed = run(tmp, f"resumed-{mode}", "--degree", "2", "--mode", mode, *MODES[mode], "--resume", str(checkpoint))
+    micro = len(full["losses"]) // 4  # micro-batches per step
+    assert len(resumed["losses"]) == 2 * micro
+    assert_close(resumed["losses"], full["losses"][2 * micro :], rtol=1e-6)
+    if mode == "balanced":
+        # From the bias loaded at step 2 on, after every step, the same bits.
+        after = {s: b.tolist() for s, b in _bias_after_each_step(full).items() if s >= 2}
+        assert {s: b.tolist() for s, b in _bias_after_each_step(resumed).items()} == after
+
+
+def test_balanced_bias_moves_by_the_counts_of_its_own_step(saved: dict) -> None:
+    """Automatic optimization, two micro-batches per step: each step's update uses exactly that
+    step's counts (a pre-step hook would apply the previous step's, and none at step 1)."""
+    _check_bias_steps(saved["balanced"])
+
+
+def test_balanced_bias_under_manual_optimization(tmp_path: Path) -> None:
+    """``manual_backward`` per batch and ``opt.step()`` every second batch: one update per step, with
+    the counts of both of its batches."""
+    args = ("--degree", "2", "--mode", "balanced", "--manual", "--accumulate", "2")
+    result = run(tmp_path, "manual", *args, nproc=2)
+    assert result["global_step"] == 4 and len(result["losses"]) == 8
+    _check_bias_steps(result)
