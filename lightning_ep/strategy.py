@@ -41,7 +41,7 @@ from lightning_ep.parallel.fsdp import (
 )
 from lightning_ep.parallel.mesh import check_layout, init_mesh
 from lightning_ep.step_checks import StepChecks, check_before_step, use_mesh_aware_clipping
-from lightning_ep.transform import moe_layers, transform
+from lightning_ep.transform import check_config_in_force, moe_layers, transform
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -308,6 +308,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     def _parallelize(self, hf_model: nn.Module) -> None:
         """Transform, optionally checkpoint, and shard ``hf_model`` (idempotent)."""
         self._hf_model = hf_model
+        fix = "drop the transform() call (the strategy transforms with its moe=) or give the strategy the same config"
+        check_config_in_force(hf_model, self.moe, asked_by="ExpertParallelStrategy(moe=...)", fix=fix)
         if any(isinstance(p, DTensor) for p in hf_model.parameters()):
             return
         mesh = self.device_mesh

@@ -76,6 +76,7 @@ class Module(LightningModule):
         self.aux_losses: list[list[float]] = []  # per micro-batch: each MoE layer's aux loss, mean over ranks
         self.poison_step = -1
         self.poisoned = False
+        self.pre_transform: MoEConfig | None = None  # transform the model in configure_model, as a user may
         self.record_balance = False
         self.loads: list[dict] = []  # per micro-batch: the step it belongs to, tokens per expert summed over ranks
         self.biases: list[dict] = []  # after each micro-batch: global_step, every layer's "balanced" bias
@@ -91,6 +92,8 @@ class Module(LightningModule):
             assert dtypes == {torch.float32}, f"{self.pretrained} gives {dtypes}, the reference is fp32"
         elif self.model is None:
             self.model = build_model()
+        if self.pre_transform is not None:
+            lightning_ep.transform(self.model, self.pre_transform)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.global_step == self.poison_step and dist.get_rank() == 1 and not self.poisoned:
@@ -175,9 +178,13 @@ def slow_down_saves_from(step_holder: dict, from_step: int, seconds: float) -> N
     mp._distributed_checkpoint_save = slow
 
 
+def moe_config(mode: str) -> MoEConfig:
+    return MoEConfig(moe_load_balancing=mode, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+
+
 def run_trainer(args: argparse.Namespace) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    moe = MoEConfig(moe_load_balancing=args.mode, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    moe = moe_config(args.mode)
     strategy = ExpertParallelStrategy(
         args.degree,
         replicate_degree=args.replicate,
@@ -213,6 +220,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
     else:
         module = Module(args.lr, pretrained=args.pretrained)
     module.poison_step = args.poison_step
+    module.pre_transform = moe_config(args.pre_transform) if args.pre_transform else None
     module.record_balance = args.mode == "balanced"
     if args.slow_save_from is not None:
         slow_down_saves_from({"trainer": trainer}, args.slow_save_from, 600.0)
@@ -297,6 +305,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--save-to", default=None)
     parser.add_argument("--manual", action="store_true", help="manual optimization; opt.step() every --accumulate")
+    parser.add_argument("--pre-transform", default=None, help="configure_model transforms with this balancing mode")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--pretrained", default=None, help="fine-tune from this save_pretrained folder")

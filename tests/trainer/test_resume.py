@@ -1,17 +1,21 @@
 """Resuming through the real Trainer (gloo, ``torchrun``): every balancing mode reproduces the
-uninterrupted run, and the ``"balanced"`` bias moves by the counts of its own step.
+uninterrupted run, and the ``"balanced"`` bias moves by the counts of its own step; a model the
+module transformed itself with another MoE configuration is refused.
 
 The uninterrupted runs (4 processes, degree 2, a checkpoint after optimizer step 2 of 4) are shared
-by the module.
+by the module; the refusals run on 2 processes.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_strategy import assert_close, run
+from test_strategy import WORKER, _free_port, assert_close, run
 
 pytestmark = pytest.mark.distributed
 
@@ -35,6 +39,19 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict:
         for mode, args in MODES.items()
     }
     return {"tmp": tmp, **runs}
+
+
+def _fails(tmp: Path, name: str, *args: str) -> str:
+    """Run the worker on 2 processes, expect it to fail, and return its stderr."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+        str(WORKER), "--out", str(tmp / f"{name}.json"), "--degree", "2", *args,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and not (tmp / f"{name}.json").exists(), result.stderr[-3000:]
+    return result.stderr
 
 
 def _bias_after_each_step(result: dict) -> dict[int, torch.Tensor]:
@@ -85,8 +102,18 @@ def test_balanced_bias_moves_by_the_counts_of_its_own_step(saved: dict) -> None:
 
 def test_balanced_bias_under_manual_optimization(tmp_path: Path) -> None:
     """``manual_backward`` per batch and ``opt.step()`` every second batch: one update per step, with
-    the counts of both of its batches."""
-    args = ("--degree", "2", "--mode", "balanced", "--manual", "--accumulate", "2")
+    the counts of both of its batches. The module transforms its model itself in ``configure_model``
+    with the strategy's config, which the strategy accepts."""
+    args = ("--degree", "2", "--mode", "balanced", "--manual", "--accumulate", "2", "--pre-transform", "balanced")
     result = run(tmp_path, "manual", *args, nproc=2)
     assert result["global_step"] == 4 and len(result["losses"]) == 8
     _check_bias_steps(result)
+
+
+def test_model_transformed_with_another_config_is_refused(tmp_path: Path) -> None:
+    stderr = _fails(tmp_path, "pre", "--mode", "sinkhorn", "--pre-transform", "aux_loss", "--steps", "1")
+    assert (
+        "ExpertParallelStrategy(moe=...): the model's MoE layers were already built by transform() with another "
+        "MoEConfig, which stays in force: moe_load_balancing='aux_loss' (asked: 'sinkhorn'). A model is transformed "
+        "once; drop the transform() call (the strategy transforms with its moe=) or give the strategy the same config."
+    ) in stderr, stderr[-3000:]
