@@ -178,18 +178,21 @@ def slow_down_saves_from(step_holder: dict, from_step: int, seconds: float) -> N
     mp._distributed_checkpoint_save = slow
 
 
-def moe_config(mode: str) -> MoEConfig:
-    return MoEConfig(moe_load_balancing=mode, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+def moe_config(mode: str, args: argparse.Namespace) -> MoEConfig:
+    return MoEConfig(
+        moe_load_balancing=mode, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, token_dedup=args.token_dedup
+    )
 
 
 def run_trainer(args: argparse.Namespace) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    moe = moe_config(args.mode)
+    moe = moe_config(args.mode, args)
     strategy = ExpertParallelStrategy(
         args.degree,
         replicate_degree=args.replicate,
         moe=moe,
         save_distributed_checkpoint=not args.full_checkpoint,
+        allow_moe_config_change=tuple(args.allow.split(",")) if args.allow else (),
         deterministic=args.deterministic,
         activation_checkpointing=args.activation_checkpointing,
         compile_layers=args.compile,
@@ -220,7 +223,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
     else:
         module = Module(args.lr, pretrained=args.pretrained)
     module.poison_step = args.poison_step
-    module.pre_transform = moe_config(args.pre_transform) if args.pre_transform else None
+    module.pre_transform = moe_config(args.pre_transform, args) if args.pre_transform else None
     module.record_balance = args.mode == "balanced"
     if args.slow_save_from is not None:
         slow_down_saves_from({"trainer": trainer}, args.slow_save_from, 600.0)
@@ -241,6 +244,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
         "loads": module.loads,
         "biases": module.biases,
         "global_step": trainer.global_step,
+        "has_expert_bias": [hasattr(layer.gate, "expert_bias") for layer in lightning_ep.moe_layers(module.model)],
         "degree": strategy.degree,
         "checkpointed": bool(checkpointed),
         "keep_all_to_all": bool(kept) and all(kept),  # set on every layer, nothing left pending
@@ -305,7 +309,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--save-to", default=None)
     parser.add_argument("--manual", action="store_true", help="manual optimization; opt.step() every --accumulate")
+    parser.add_argument("--token-dedup", action="store_true", help="MoEConfig(token_dedup=True)")
     parser.add_argument("--pre-transform", default=None, help="configure_model transforms with this balancing mode")
+    parser.add_argument("--allow", default=None, help="comma-separated allow_moe_config_change")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--pretrained", default=None, help="fine-tune from this save_pretrained folder")
