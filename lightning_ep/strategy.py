@@ -8,8 +8,7 @@ everything with FSDP2, materialises meta weights, and then lets Lightning set up
 from __future__ import annotations
 
 import math
-import shutil
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -22,14 +21,16 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_ep import checkpoints
 from lightning_ep.models.init import materialize
 from lightning_ep.models.pretrained import PRETRAINED_ATTR
 from lightning_ep.models.registry import family_for, find_moe_blocks
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
-from lightning_ep.parallel.balance import update_expert_biases
+from lightning_ep.parallel.balance import update_biases_after_each_step
 from lightning_ep.parallel.compile import compile_for_training
 from lightning_ep.parallel.fsdp import (
     check_all_sharded,
@@ -40,14 +41,13 @@ from lightning_ep.parallel.fsdp import (
 )
 from lightning_ep.parallel.mesh import check_layout, init_mesh
 from lightning_ep.step_checks import StepChecks, check_before_step, use_mesh_aware_clipping
-from lightning_ep.transform import moe_layers, transform
+from lightning_ep.transform import check_config_in_force, moe_layers, transform
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
-PARTIAL_SUFFIX = ".partial"
 
 
 def _check_activation_checkpointing(value: Any, moe: MoEConfig) -> None:
@@ -68,13 +68,6 @@ def _check_activation_checkpointing(value: Any, moe: MoEConfig) -> None:
             f"{moe.capacity_factor}, symmetric_memory_dispatch={moe.symmetric_memory_dispatch}; use the dropless "
             "all-to-all dispatcher (True, None, False) or activation_checkpointing=True."
         )
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -108,7 +101,13 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             agree with eager to float rounding, not bitwise. Also sets the model's
             ``config.use_cache = False`` (no KV cache in training).
         save_distributed_checkpoint: ``True`` saves one shard per rank (resumable at any degree);
-            ``False`` gathers a single full checkpoint on rank 0.
+            ``False`` gathers a single full checkpoint on rank 0. Either records ``moe`` and the MoE
+            shape (experts, top-k, MoE layers, model type; see ``lightning_ep.checkpoints``).
+        allow_moe_config_change: ``MoEConfig`` fields (e.g. ``["moe_load_balancing"]`` to switch
+            the balancing mode for the next phase of training) or MoE shape entries (``num_experts``,
+            ``top_k``, ``num_moe_layers``, ``model_type``) that may differ from what a resumed
+            checkpoint records; any other difference is refused before a weight is loaded. The
+            ``EXECUTION_FIELDS`` of ``lightning_ep.moe.config`` (``token_dedup``, ...) may always differ.
         log_moe_losses: log the per-layer and total aux and z losses at each optimizer step (their
             mean over the step's micro-batches; after each ``training_step`` under manual optimization).
         check_finite: raise ``FloatingPointError`` naming the MoE layer and the step if a router
@@ -134,6 +133,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         compile_layers: bool = False,
         save_distributed_checkpoint: bool = True,
+        allow_moe_config_change: str | Sequence[str] = (),
         log_moe_losses: bool = True,
         check_finite: bool = True,
         deterministic: bool = False,
@@ -173,6 +173,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self._degree: int | Literal["auto"] = degree
         self.replicate_degree = replicate_degree
         self.moe = moe if moe is not None else MoEConfig()
+        self.allow_moe_config_change = checkpoints.check_allowed(allow_moe_config_change)
         _check_activation_checkpointing(activation_checkpointing, self.moe)
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
@@ -183,6 +184,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.check_finite = check_finite
         self.deterministic = deterministic
         self._hf_model: nn.Module | None = None
+        self._bias_hooks: list[RemovableHandle] = []
         self._step_checks = StepChecks(check_finite=check_finite, log_losses=log_moe_losses)
 
     @property
@@ -263,8 +265,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            for optimizer in self.optimizers:
-                optimizer.register_step_pre_hook(self._before_optimizer_step)
+            self._bias_hooks = update_biases_after_each_step(self.optimizers, hf_model)
         self.setup_precision_plugin()
         use_mesh_aware_clipping(self.precision_plugin)
         self._step_checks = StepChecks(check_finite=self.check_finite, log_losses=self.log_moe_losses)
@@ -307,6 +308,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     def _parallelize(self, hf_model: nn.Module) -> None:
         """Transform, optionally checkpoint, and shard ``hf_model`` (idempotent)."""
         self._hf_model = hf_model
+        fix = "drop the transform() call (the strategy transforms with its moe=) or give the strategy the same config"
+        check_config_in_force(hf_model, self.moe, asked_by="ExpertParallelStrategy(moe=...)", fix=fix)
         if any(isinstance(p, DTensor) for p in hf_model.parameters()):
             return
         mesh = self.device_mesh
@@ -347,11 +350,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         for layer in self._layers():  # CUDA graphs hold the NCCL communicator (MoEConfig.cuda_graphs)
             layer.release_graphs()
+        for handle in self._bias_hooks:  # a later fit's optimizers get their own
+            handle.remove()
         super().teardown()
-
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._hf_model is not None:
-            update_expert_biases(self._hf_model)
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -360,44 +361,38 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         """Save atomically: write ``<path>.partial``, then rename it to ``<path>``.
 
         A process killed mid-save leaves the previous checkpoint untouched and a ``.partial`` folder
-        (or file) that ``load_checkpoint`` refuses by name.
+        (or file) that ``load_checkpoint`` refuses by name. The checkpoint records ``moe`` and the MoE
+        shape, which ``load_checkpoint`` checks before restoring any weight (``lightning_ep.checkpoints``).
         """
         path = Path(self.broadcast(str(filepath)))
-        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        partial = checkpoints.partial_path(path)
         if self.is_global_zero:
-            _remove(partial)
+            checkpoints.remove(partial)
         self.barrier()
+        if self._hf_model is not None:
+            checkpoint[checkpoints.RECORD_KEY] = checkpoints.make_record(self.moe, self._hf_model)
         super().save_checkpoint(checkpoint, partial, storage_options)
         self.barrier()
         if self.is_global_zero:
-            old = path.with_name(path.name + ".old")
-            _remove(old)
-            if path.exists():
-                path.rename(old)
-            partial.rename(path)
-            _remove(old)
+            checkpoints.move_into_place(partial, path)
         self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
-        if path.name.endswith(PARTIAL_SUFFIX):
-            raise RuntimeError(
-                f"checkpoint {str(path)!r} is incomplete: the run was interrupted while saving it. Resume from "
-                "the previous checkpoint instead (the one without the .partial suffix)."
-            )
+        checkpoints.refuse_partial(path)
+        # Before any weight is restored: a resume under another MoE configuration is refused by name.
+        record = checkpoints.read_record(path, weights_only)
+        if self._hf_model is not None:
+            checkpoints.check_record(record, self.moe, self._hf_model, allowed=self.allow_moe_config_change, path=path)
         try:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            with checkpoints.saved_bias_keys(record, self._layers()):
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except (ValueError, RuntimeError, KeyError, CheckpointException) as error:  # DCP's is a BaseException
-            failures = getattr(error, "failures", None)  # DCP: {rank: (exception, traceback)}
-            text = str(next(iter(failures.values()))[0]) if failures else str(error)
-            if not any(s in text for s in ("Size mismatch", "Missing key", "Unexpected key", "size mismatch")):
+            clear = checkpoints.different_model_error(path, error)
+            if clear is None:
                 raise
-            raise ValueError(
-                f"checkpoint {str(path)!r} was saved from a different model ({text}). Resume with the model "
-                "configuration it was saved from; to start a new model from its weights, export it with "
-                "`python -m lightning_ep.export` and load the matching parameters yourself."
-            ) from error
+            raise clear from error
 
     # ----------------------------------------------------------------------------- training
 

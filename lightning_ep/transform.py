@@ -9,7 +9,7 @@ from torch import nn
 from lightning_ep.models.hf_compat import keep_hf_behaviour, refuse_transformers_expert_parallelism
 from lightning_ep.models.padding import watch_padding
 from lightning_ep.models.registry import family_for, find_moe_blocks, replace_module, supported_model_types
-from lightning_ep.moe.config import MoEConfig
+from lightning_ep.moe.config import MoEConfig, config_differences
 from lightning_ep.moe.layer import MoELayer
 
 if TYPE_CHECKING:
@@ -38,11 +38,18 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
         mesh: ``None`` for one process. A mesh from ``init_mesh`` shards the experts on its ``"ep"``
             axis and exchanges tokens there (see ``lightning_ep.parallel.expert``).
     Returns:
-        ``model`` itself. Calling it again on a transformed model only applies ``mesh``.
+        ``model`` itself. Calling it again on a transformed model with the same ``config`` only
+        applies ``mesh``; with another ``config`` it raises ``ValueError`` (``check_config_in_force``).
     """
     config = config if config is not None else MoEConfig()
     if not isinstance(config, MoEConfig):
         raise TypeError(f"transform(config=...) must be a MoEConfig, got {type(config).__name__}.")
+    check_config_in_force(
+        model,
+        config,
+        asked_by="transform(model, config)",
+        fix="drop one of the two transform() calls, or pass both the same MoEConfig",
+    )
     if not config.smp_moe:
         return model
     if not moe_layers(model):
@@ -66,6 +73,31 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
 
         parallelize_moe_layers(model, mesh)
     return model
+
+
+def check_config_in_force(model: nn.Module, config: MoEConfig, *, asked_by: str, fix: str) -> None:
+    """Refuse ``config`` for a model whose ``MoELayer``s were built with another ``MoEConfig``.
+
+    The layers' routing, losses and dispatch were fixed when they were built; accepting another
+    config would leave theirs silently in force. Re-applying it in place is not attempted: a new
+    balancing mode changes the layers' buffers (``gate.expert_bias``) and state-dict keys.
+
+    Args:
+        model: any module; one without ``MoELayer``s is always accepted.
+        config: the config asked for.
+        asked_by: who asks for ``config``, as the message should name it.
+        fix: what the user should do instead, for the message.
+    Raises:
+        ValueError: naming every differing field with the value in force and the value asked for.
+    """
+    for in_force in dict.fromkeys(layer.config for layer in moe_layers(model)):
+        differences = config_differences(in_force, config)
+        if differences:
+            fields = ", ".join(f"{name}={old!r} (asked: {new!r})" for name, (old, new) in differences.items())
+            raise ValueError(
+                f"{asked_by}: the model's MoE layers were already built by transform() with another MoEConfig, "
+                f"which stays in force: {fields}. A model is transformed once; {fix}."
+            )
 
 
 def _check_same_parameters(name: str, block: nn.Module, layer: MoELayer) -> None:

@@ -8,8 +8,9 @@ bad value fails when the config is built, long before any process group or model
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal, get_args
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal, get_args
 
 LoadBalancing = Literal["sinkhorn", "aux_loss", "balanced", "none"]
 RouterDtype = Literal["float32", "float64"]
@@ -22,6 +23,17 @@ _FLAGS = (
     "smp_moe",
     "global_token_shuffle",
     "moe_all_to_all_dispatcher",
+    "token_dedup",
+    "symmetric_memory_dispatch",
+    "cuda_graphs",
+)
+# The fields that choose how the same math is carried out (which exchange, which kernels, which
+# guard on memory) and not what is computed: they may differ between two configs that must agree,
+# e.g. a checkpoint's and the run that resumes it. Every other field, and any field added later
+# unless it is listed here, changes the math.
+EXECUTION_FIELDS: tuple[str, ...] = (
+    "moe_all_to_all_dispatcher",
+    "max_tokens_per_rank",
     "token_dedup",
     "symmetric_memory_dispatch",
     "cuda_graphs",
@@ -220,3 +232,40 @@ def _check_float(name: str, value: object) -> None:
         raise TypeError(f"MoEConfig.{name} must be a float, got {value!r} ({type(value).__name__}).")
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"MoEConfig.{name} must be a finite number >= 0, got {value!r}.")
+
+
+class _Absent:
+    """The value of a field one side of ``config_differences`` does not have."""
+
+    def __repr__(self) -> str:
+        return "<no such field>"
+
+
+ABSENT: Any = _Absent()
+
+
+def config_differences(
+    old: MoEConfig | Mapping[str, Any], new: MoEConfig, *, math_only: bool = False
+) -> dict[str, tuple[Any, Any]]:
+    """The fields whose values differ between ``old`` and ``new``, as ``{name: (old, new)}``.
+
+    Args:
+        old: a ``MoEConfig`` or its ``dataclasses.asdict`` record (e.g. read from a checkpoint); a
+            field the record lacks (it was written before the field existed) takes the default,
+            and a record's field that ``MoEConfig`` no longer has differs from ``ABSENT``.
+        new: the config to compare with.
+        math_only: leave out ``EXECUTION_FIELDS`` (options that do not change the math).
+    """
+    old_values = dict(old) if isinstance(old, Mapping) else asdict(old)
+    new_values = asdict(new)
+    defaults = {f.name: f.default for f in fields(MoEConfig)}
+    names = [*new_values, *(name for name in old_values if name not in new_values)]
+    differences = {}
+    for name in names:
+        if math_only and name in EXECUTION_FIELDS:
+            continue
+        before = old_values.get(name, defaults.get(name, ABSENT))
+        after = new_values.get(name, ABSENT)
+        if before != after:
+            differences[name] = (before, after)
+    return differences

@@ -76,6 +76,10 @@ class Module(LightningModule):
         self.aux_losses: list[list[float]] = []  # per micro-batch: each MoE layer's aux loss, mean over ranks
         self.poison_step = -1
         self.poisoned = False
+        self.pre_transform: MoEConfig | None = None  # transform the model in configure_model, as a user may
+        self.record_balance = False
+        self.loads: list[dict] = []  # per micro-batch: the step it belongs to, tokens per expert summed over ranks
+        self.biases: list[dict] = []  # after each micro-batch: global_step, every layer's "balanced" bias
 
     def configure_model(self) -> None:
         if self.model is None and self.pretrained is not None:
@@ -88,6 +92,8 @@ class Module(LightningModule):
             assert dtypes == {torch.float32}, f"{self.pretrained} gives {dtypes}, the reference is fp32"
         elif self.model is None:
             self.model = build_model()
+        if self.pre_transform is not None:
+            lightning_ep.transform(self.model, self.pre_transform)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.global_step == self.poison_step and dist.get_rank() == 1 and not self.poisoned:
@@ -108,10 +114,37 @@ class Module(LightningModule):
         aux = torch.stack([layer.aux_loss for layer in lightning_ep.moe_layers(self.model)])
         dist.all_reduce(aux)
         self.aux_losses.append((aux / dist.get_world_size()).tolist())
+        if self.record_balance:
+            load = torch.stack([layer.tokens_per_expert for layer in lightning_ep.moe_layers(self.model)])
+            dist.all_reduce(load)
+            self.loads.append({"step": self.global_step, "load": load.tolist()})
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.record_balance:
+            biases = [layer.gate.selection_bias.tolist() for layer in lightning_ep.moe_layers(self.model)]
+            self.biases.append({"step": self.global_step, "biases": biases})
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=1e-6, foreach=False)
+
+
+class ManualModule(Module):
+    """Manual optimization: ``manual_backward`` per batch, ``opt.step()`` every ``accumulate`` batches."""
+
+    def __init__(self, lr: float, accumulate: int, pretrained: str | None = None) -> None:
+        super().__init__(lr, pretrained)
+        self.automatic_optimization = False
+        self.accumulate = accumulate
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss / self.accumulate)
+        if (batch_idx + 1) % self.accumulate == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
 
 
 class SaveAt(Callback):
@@ -145,14 +178,21 @@ def slow_down_saves_from(step_holder: dict, from_step: int, seconds: float) -> N
     mp._distributed_checkpoint_save = slow
 
 
+def moe_config(mode: str, args: argparse.Namespace) -> MoEConfig:
+    return MoEConfig(
+        moe_load_balancing=mode, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, token_dedup=args.token_dedup
+    )
+
+
 def run_trainer(args: argparse.Namespace) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    moe = MoEConfig(moe_load_balancing=args.mode, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    moe = moe_config(args.mode, args)
     strategy = ExpertParallelStrategy(
         args.degree,
         replicate_degree=args.replicate,
         moe=moe,
         save_distributed_checkpoint=not args.full_checkpoint,
+        allow_moe_config_change=tuple(args.allow.split(",")) if args.allow else (),
         deterministic=args.deterministic,
         activation_checkpointing=args.activation_checkpointing,
         compile_layers=args.compile,
@@ -168,7 +208,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
         strategy=strategy,
         precision=args.precision,
         max_steps=args.steps,
-        accumulate_grad_batches=args.accumulate,
+        accumulate_grad_batches=1 if args.manual else args.accumulate,
         gradient_clip_val=args.clip,
         logger=logger,
         callbacks=callbacks,
@@ -178,8 +218,13 @@ def run_trainer(args: argparse.Namespace) -> dict:
         enable_model_summary=False,
         use_distributed_sampler=True,
     )
-    module = Module(args.lr, pretrained=args.pretrained)
+    if args.manual:
+        module: Module = ManualModule(args.lr, args.accumulate, pretrained=args.pretrained)
+    else:
+        module = Module(args.lr, pretrained=args.pretrained)
     module.poison_step = args.poison_step
+    module.pre_transform = moe_config(args.pre_transform, args) if args.pre_transform else None
+    module.record_balance = args.mode == "balanced"
     if args.slow_save_from is not None:
         slow_down_saves_from({"trainer": trainer}, args.slow_save_from, 600.0)
     data = DataLoader(Tokens(args.samples), batch_size=args.batch, shuffle=False, drop_last=True)
@@ -196,6 +241,10 @@ def run_trainer(args: argparse.Namespace) -> dict:
         "compiled_graphs": counters["stats"]["unique_graphs"],
         "losses": module.losses,
         "aux_losses": module.aux_losses,
+        "loads": module.loads,
+        "biases": module.biases,
+        "global_step": trainer.global_step,
+        "has_expert_bias": [hasattr(layer.gate, "expert_bias") for layer in lightning_ep.moe_layers(module.model)],
         "degree": strategy.degree,
         "checkpointed": bool(checkpointed),
         "keep_all_to_all": bool(kept) and all(kept),  # set on every layer, nothing left pending
@@ -259,6 +308,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="ExpertParallelStrategy(compile_layers=True)")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--save-to", default=None)
+    parser.add_argument("--manual", action="store_true", help="manual optimization; opt.step() every --accumulate")
+    parser.add_argument("--token-dedup", action="store_true", help="MoEConfig(token_dedup=True)")
+    parser.add_argument("--pre-transform", default=None, help="configure_model transforms with this balancing mode")
+    parser.add_argument("--allow", default=None, help="comma-separated allow_moe_config_change")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--pretrained", default=None, help="fine-tune from this save_pretrained folder")

@@ -71,13 +71,25 @@ def test_deterministic_runs_are_bitwise_identical(tmp_path: Path) -> None:
 
 
 def test_checkpoint_from_a_different_model_is_refused(tmp_path: Path) -> None:
+    """The checkpoint's MoE record refuses another expert count before any weight is read; allowed
+    by name, the weights themselves do not fit, which is refused as well."""
     run(tmp_path, "eight", "--degree", "2", "--steps", "2", "--save-to", str(tmp_path / "ck-{step}"), nproc=2)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-        str(WORKER), "--out", str(tmp_path / "four.json"), "--degree", "2", "--experts", "4",
-        "--resume", str(tmp_path / "ck-2"),
-    ]  # fmt: skip
-    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    assert "was saved from a different model (Size mismatch between saved torch.Size([8, 64])" in result.stderr
-    assert "Resume with the model configuration it was saved from" in result.stderr
+    checkpoint = tmp_path / "ck-2"
+    stderr = {}
+    for name, allow in (("four", ()), ("four-allowed", ("--allow", "num_experts"))):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+            str(WORKER), "--out", str(tmp_path / f"{name}.json"), "--degree", "2", "--experts", "4",
+            "--resume", str(checkpoint), *allow,
+        ]  # fmt: skip
+        result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert result.returncode != 0
+        stderr[name] = result.stderr
+    assert (
+        f"checkpoint {str(checkpoint)!r} was saved with another MoE configuration: the model's num_experts=8 "
+        "(this run: 4). Resume with the MoEConfig and model it was saved with; to change them on purpose"
+    ) in stderr["four"], stderr["four"][-3000:]
+    assert "allow_moe_config_change=['num_experts']" in stderr["four"]
+    allowed = stderr["four-allowed"]
+    assert "was saved from a different model (Size mismatch between saved torch.Size([8, 64])" in allowed
+    assert "Resume with the model configuration it was saved from" in allowed
