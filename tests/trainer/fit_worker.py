@@ -2,7 +2,8 @@
 
 ``--reference`` runs the one-process reference instead (plain torch, no Trainer): the unsharded
 model on every rank's micro-batch in turn, losses and gradients averaged, like data parallelism.
-Rank 0 writes ``{"losses": [mean loss over ranks per step], ...}`` as JSON to ``--out``.
+Rank 0 writes ``{"losses": [mean loss over ranks per step], ...}`` as JSON to ``--out``. A worker
+ends by itself when its launcher dies (``processes.exit_when_parent_dies``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import lightning_ep
 from lightning_ep import ExpertParallelStrategy, MoEConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for processes.py
+from processes import exit_when_parent_dies
 
 VOCAB = 128
 SEQ = 16
@@ -234,6 +238,7 @@ def run_reference(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     global EXPERTS
+    exit_when_parent_dies()
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--reference", action="store_true")
