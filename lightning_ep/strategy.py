@@ -19,11 +19,13 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_ep.config_errors import shown_once
 from lightning_ep.models.init import materialize
 from lightning_ep.models.pretrained import PRETRAINED_ATTR
 from lightning_ep.models.registry import family_for, find_moe_blocks
@@ -40,34 +42,14 @@ from lightning_ep.parallel.fsdp import (
 )
 from lightning_ep.parallel.mesh import check_layout, init_mesh
 from lightning_ep.step_checks import StepChecks, check_before_step, use_mesh_aware_clipping
+from lightning_ep.strategy_args import check_arguments, check_devices, check_precision
 from lightning_ep.transform import moe_layers, transform
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 PARTIAL_SUFFIX = ".partial"
-
-
-def _check_activation_checkpointing(value: Any, moe: MoEConfig) -> None:
-    if not (isinstance(value, bool) or value == "keep_all_to_all"):
-        raise ValueError(
-            f"ExpertParallelStrategy(activation_checkpointing={value!r}): pass True, False or 'keep_all_to_all'."
-        )
-    if value and moe.cuda_graphs:
-        raise ValueError(
-            f"ExpertParallelStrategy(activation_checkpointing={value!r}) recomputes each decoder layer, which "
-            "MoEConfig.cuda_graphs=True cannot replay (a graph keeps one forward's activations); drop one of them."
-        )
-    nccl_a2a = moe.moe_all_to_all_dispatcher and moe.capacity_factor is None and not moe.symmetric_memory_dispatch
-    if value == "keep_all_to_all" and not nccl_a2a:
-        raise ValueError(
-            "ExpertParallelStrategy(activation_checkpointing='keep_all_to_all') keeps the all-to-all dispatcher's "
-            f"exchanges, but MoEConfig has moe_all_to_all_dispatcher={moe.moe_all_to_all_dispatcher}, capacity_factor="
-            f"{moe.capacity_factor}, symmetric_memory_dispatch={moe.symmetric_memory_dispatch}; use the dropless "
-            "all-to-all dispatcher (True, None, False) or activation_checkpointing=True."
-        )
 
 
 def _remove(path: Path) -> None:
@@ -121,7 +103,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             two CPU runs give bitwise-identical losses (see the README for GPU).
         tensor_parallel_size: must be 1; tensor parallelism alongside EP is not supported.
         process_group_backend: ``"nccl"``, ``"gloo"``, or ``None`` for the device's default.
-        timeout: collective timeout.
+        timeout: collective timeout (a ``datetime.timedelta``).
+
+    A configuration error is raised in full on rank 0 and as a one-line note on the other ranks
+    (``lightning_ep.config_errors``); ``degree`` and the precision are checked against the
+    Trainer's ``devices``, ``num_nodes`` and ``precision`` inside ``Trainer(...)`` already.
     """
 
     def __init__(
@@ -148,36 +134,25 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
-            raise ValueError(
-                f"ExpertParallelStrategy(degree={degree!r}): pass an int >= 1 that divides the world size and "
-                "the expert count, or 'auto'."
+        # Under torchrun every rank builds the strategy: show a bad argument once (config_errors).
+        # The process group does not exist yet; Lightning set this rank from the launcher's environment.
+        with shown_once(int(getattr(rank_zero_only, "rank", 0))):
+            check_arguments(
+                degree=degree,
+                replicate_degree=replicate_degree,
+                moe=moe,
+                activation_checkpointing=activation_checkpointing,
+                compile_layers=compile_layers,
+                tensor_parallel_size=tensor_parallel_size,
+                timeout=timeout,
             )
-        if isinstance(replicate_degree, bool) or not isinstance(replicate_degree, int) or replicate_degree < 1:
-            raise ValueError(f"ExpertParallelStrategy(replicate_degree={replicate_degree!r}): pass an int >= 1.")
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                f"ExpertParallelStrategy(tensor_parallel_size={tensor_parallel_size!r}): tensor parallelism "
-                "cannot be combined with expert parallelism here; use tensor_parallel_size=1 and spread the "
-                "experts with `degree` instead."
-            )
-        if moe is not None and not isinstance(moe, MoEConfig):
-            raise TypeError(f"ExpertParallelStrategy(moe=...) must be a MoEConfig, got {type(moe).__name__}.")
         if moe is not None and not moe.smp_moe:
-            if degree not in (1, "auto"):
-                raise ValueError(
-                    f"ExpertParallelStrategy(degree={degree!r}) with MoEConfig(smp_moe=False): the model keeps its "
-                    "own MoE blocks, which cannot be split across ranks; use degree=1 or smp_moe=True."
-                )
             degree = 1
         self._degree: int | Literal["auto"] = degree
         self.replicate_degree = replicate_degree
         self.moe = moe if moe is not None else MoEConfig()
-        _check_activation_checkpointing(activation_checkpointing, self.moe)
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
-        if not isinstance(compile_layers, bool):
-            raise TypeError(f"ExpertParallelStrategy(compile_layers={compile_layers!r}): pass True or False.")
         self.compile_layers = compile_layers
         self.log_moe_losses = log_moe_losses
         self.check_finite = check_finite
@@ -193,13 +168,18 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     # ----------------------------------------------------------------------------- environment
 
     @override
+    def set_world_ranks(self) -> None:
+        """Also check the layout and the precision against the Trainer's arguments: Lightning calls
+        this once it has given the strategy its devices, ``num_nodes`` and precision plugin, inside
+        ``Trainer.__init__`` (so, under Lightning's own launcher, once, before processes start)."""
+        super().set_world_ranks()
+        with shown_once(self.global_rank):
+            check_precision(self.precision_plugin.precision)
+            if self._degree != "auto" and self.parallel_devices:
+                check_devices(self._degree, self.replicate_degree, devices=self.num_processes, num_nodes=self.num_nodes)
+
+    @override
     def setup_environment(self) -> None:
-        precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"ExpertParallelStrategy does not support precision={precision!r}; choose one of "
-                f"{list(SUPPORTED_PRECISION)} (bf16 gives the speed of half precision without loss scaling)."
-            )
         if self.deterministic:
             torch.use_deterministic_algorithms(True)
         self._setup_distributed()
@@ -207,10 +187,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             self._build_mesh(self._degree)
 
     def _build_mesh(self, degree: int) -> None:
-        try:
-            check_layout(self.world_size, degree, self.replicate_degree)
-        except ValueError as error:
-            raise ValueError(f"ExpertParallelStrategy: {error}") from None
+        with shown_once(self.global_rank):
+            try:
+                check_layout(self.world_size, degree, self.replicate_degree)
+            except ValueError as error:
+                raise ValueError(f"ExpertParallelStrategy: {error}") from None
         self._degree = degree
         self._device_mesh = init_mesh(degree, replicate_degree=self.replicate_degree, device_type=self.root_device.type)
         assert self.lightning_module is not None
@@ -238,16 +219,18 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-        if on_meta and not is_overridden("configure_model", module):
-            raise TypeError(
-                f"{type(module).__name__} holds meta-device weights but does not override configure_model(); "
-                "build the Hugging Face model inside configure_model() so the strategy can shard and "
-                "materialise it."
-            )
-        hf_model = self._find_moe_model(module)
-        if self._degree == "auto":
-            self._build_mesh(self._auto_degree(self._num_experts(hf_model)))
+        with shown_once(self.global_rank):  # the module's structure is the same on every rank
+            on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+            if on_meta and not is_overridden("configure_model", module):
+                raise TypeError(
+                    f"{type(module).__name__} holds meta-device weights but does not override configure_model(); "
+                    "build the Hugging Face model inside configure_model() so the strategy can shard and "
+                    "materialise it."
+                )
+            hf_model = self._find_moe_model(module)
+            degree = self._auto_degree(self._num_experts(hf_model)) if self._degree == "auto" else None
+        if degree is not None:
+            self._build_mesh(degree)
         self._parallelize(hf_model)
         if any(t.is_meta for t in (*hf_model.parameters(), *hf_model.buffers())):
             materialize(hf_model, self.root_device)
@@ -320,7 +303,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 )
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.moe.smp_moe:
-            transform(hf_model, self.moe, mesh=mesh)
+            with shown_once(self.global_rank):  # a degree that does not divide the expert count
+                transform(hf_model, self.moe, mesh=mesh)
             shard_model(hf_model, mesh, mp_policy=self._mp_policy(), reshard_after_forward=self.reshard_after_forward)
             blocks = decoder_blocks(hf_model)
         else:

@@ -93,7 +93,9 @@ def tiny_model():
 @pytest.fixture
 def single_process(monkeypatch: pytest.MonkeyPatch):
     """A free ``MASTER_ADDR``/``MASTER_PORT`` for a Trainer run in this process (one rank, gloo);
-    the default process group is destroyed afterwards."""
+    the default process group is destroyed afterwards, and the variables Lightning's launcher sets
+    in this process are removed (a later ``LOCAL_RANK`` made a CLI run that pytest starts think it
+    was a launched rank and wait for the others)."""
     import socket
 
     import torch.distributed as dist
@@ -103,9 +105,15 @@ def single_process(monkeypatch: pytest.MonkeyPatch):
         port = s.getsockname()[1]
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
+    launcher_env = {name: os.environ.get(name) for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    for name, value in launcher_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 # Started after this many clock ticks since boot: the processes this session may have started.
