@@ -250,7 +250,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 optimizer.register_step_pre_hook(self._before_optimizer_step)
         self.setup_precision_plugin()
         use_mesh_aware_clipping(self.precision_plugin)
-        self._step_checks = StepChecks(check_finite=self.check_finite, log_losses=self.log_moe_losses)
+        self._step_checks = StepChecks(
+            check_finite=self.check_finite, log_losses=self.log_moe_losses, precision=self.precision_plugin.precision
+        )
         self._step_checks.watch_budgets(self._layers())
         check_before_step(self.precision_plugin, self._step_checks)
 

@@ -103,6 +103,31 @@ def test_auto_degree_and_a_fitting_layout_construct() -> None:
         assert Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False).strategy is strategy
 
 
+def test_fp16_weights_under_32_true_name_the_dtype(single_process) -> None:
+    """float16 weights under ``precision="32-true"`` overflow (a norm weight of 3e4 times unit
+    activations passes 65504 in the next matmul); the error says so, and the same weights in float32
+    train. Other non-finite values keep the usual advice (``test_robustness.py``)."""
+
+    def build(dtype: torch.dtype):
+        model = _mixtral().to(dtype)
+        with torch.no_grad():
+            model.model.layers[1].post_attention_layernorm.weight.fill_(3e4)
+        return model
+
+    module = Module(lambda: build(torch.float16))
+    message = (
+        "non-finite router logits or outputs in MoE layer(s) [1] at global step 0 (on at least one rank). The MoE "
+        "weights are float16 under Trainer(precision='32-true'), which computes in the weights' own dtype (float16 "
+        "overflows past 65504): use precision='bf16-mixed' or 'bf16-true', or cast the model to float32 (e.g. "
+        "self.model.float() in configure_model)."
+    )
+    with pytest.raises(FloatingPointError, match=re.escape(message)):
+        _fit(module, ExpertParallelStrategy(1, process_group_backend="gloo"))
+    module = Module(lambda: build(torch.float32))
+    _fit(module, ExpertParallelStrategy(1, process_group_backend="gloo"))
+    assert module.steps == 1
+
+
 def test_model_without_moe_block(single_process) -> None:
     module = Module(_llama)
     with pytest.raises(
