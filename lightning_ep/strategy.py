@@ -26,9 +26,8 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_ep.config_errors import shown_once
-from lightning_ep.models.init import materialize
-from lightning_ep.models.pretrained import PRETRAINED_ATTR
-from lightning_ep.models.registry import family_for, find_moe_blocks
+from lightning_ep.model_selection import num_experts, select
+from lightning_ep.models.init import materialize_if_meta
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.balance import update_expert_biases
@@ -37,6 +36,7 @@ from lightning_ep.parallel.fsdp import (
     check_all_sharded,
     decoder_blocks,
     gradient_sync,
+    shard_dense_modules,
     shard_model,
     shard_named_blocks,
 )
@@ -104,6 +104,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         tensor_parallel_size: must be 1; tensor parallelism alongside EP is not supported.
         process_group_backend: ``"nccl"``, ``"gloo"``, or ``None`` for the device's default.
         timeout: collective timeout (a ``datetime.timedelta``).
+        moe_model: attribute path of the Hugging Face MoE model to parallelise inside the
+            LightningModule (``"model"``, ``"policy"``); needed only when it holds several (a policy
+            and a frozen reference). The other MoE models must be frozen and stay whole on every
+            rank; trainable modules outside them (a value head) are sharded with FSDP2 over all
+            ranks (see ``lightning_ep.model_selection``).
 
     A configuration error is raised in full on rank 0 and as a one-line note on the other ranks
     (``lightning_ep.config_errors``); ``degree`` and the precision are checked against the
@@ -126,6 +131,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         process_group_backend: str | None = None,
         timeout: timedelta | None = _DEFAULT_TIMEOUT,
+        moe_model: str | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
@@ -145,6 +151,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 compile_layers=compile_layers,
                 tensor_parallel_size=tensor_parallel_size,
                 timeout=timeout,
+                moe_model=moe_model,
             )
         if moe is not None and not moe.smp_moe:
             degree = 1
@@ -157,6 +164,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.log_moe_losses = log_moe_losses
         self.check_finite = check_finite
         self.deterministic = deterministic
+        self.moe_model = moe_model
         self._hf_model: nn.Module | None = None
         self._step_checks = StepChecks(check_finite=check_finite, log_losses=log_moe_losses)
 
@@ -227,18 +235,19 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                     "build the Hugging Face model inside configure_model() so the strategy can shard and "
                     "materialise it."
                 )
-            hf_model = self._find_moe_model(module)
-            degree = self._auto_degree(self._num_experts(hf_model)) if self._degree == "auto" else None
+            selection = select(module, self.moe_model, smp_moe=self.moe.smp_moe)
+            degree = self._auto_degree(num_experts(selection.model)) if self._degree == "auto" else None
         if degree is not None:
             self._build_mesh(degree)
-        self._parallelize(hf_model)
-        if any(t.is_meta for t in (*hf_model.parameters(), *hf_model.buffers())):
-            materialize(hf_model, self.root_device)
-            folder = getattr(hf_model, PRETRAINED_ATTR, None)
-            if folder is not None:
-                from lightning_ep.models.hf_io import load_pretrained_sharded
-
-                load_pretrained_sharded(hf_model, folder)
+        self._parallelize(selection.model)
+        shard_dense_modules(
+            list(selection.extras.values()),
+            self.device_mesh,
+            mp_policy=self._mp_policy(),
+            reshard_after_forward=self.reshard_after_forward,
+        )
+        for part in (selection.model, *selection.others.values(), *selection.extras.values()):
+            materialize_if_meta(part, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         check_all_sharded(module)
@@ -255,32 +264,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         )
         self._step_checks.watch_budgets(self._layers())
         check_before_step(self.precision_plugin, self._step_checks)
-
-    def _find_moe_model(self, module: nn.Module) -> nn.Module:
-        """The outermost Hugging Face model inside the LightningModule that has MoE blocks."""
-        candidates = [m for m in module.modules() if hasattr(getattr(m, "config", None), "model_type")]
-        for candidate in candidates:
-            if moe_layers(candidate):
-                return candidate
-            if self.moe.smp_moe:
-                if find_moe_blocks(candidate, family_for(candidate)):
-                    return candidate
-            elif getattr(candidate, "_no_split_modules", None):
-                return candidate
-        raise ValueError(
-            f"ExpertParallelStrategy found no MoE block in {type(module).__name__}: build a supported Hugging Face "
-            "MoE model (e.g. MixtralForCausalLM) as an attribute of the LightningModule in configure_model(); "
-            f"found {[type(c).__name__ for c in candidates] or 'no Hugging Face model'}."
-        )
-
-    @staticmethod
-    def _num_experts(hf_model: nn.Module) -> int:
-        layers = moe_layers(hf_model)
-        if layers:
-            return layers[0].num_experts
-        family = family_for(hf_model)
-        _, block = find_moe_blocks(hf_model, family)[0]
-        return int(block.get_parameter(family.gate_up_proj).shape[0])
 
     def _mp_policy(self) -> MixedPrecisionPolicy | None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -394,11 +377,12 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         if self._hf_model is None:
             yield None
             return
-        gradient_sync(self._hf_model, False)
+        module = self.lightning_module if self.lightning_module is not None else self._hf_model
+        gradient_sync(module, False)  # the MoE model and the extra modules sharded beside it
         try:
             yield None
         finally:
-            gradient_sync(self._hf_model, True)
+            gradient_sync(module, True)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

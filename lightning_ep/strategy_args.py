@@ -25,6 +25,7 @@ def check_arguments(
     compile_layers: Any,
     tensor_parallel_size: Any,
     timeout: Any,
+    moe_model: Any = None,
 ) -> None:
     """The checks of ``ExpertParallelStrategy.__init__``'s arguments that need nothing else."""
     if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
@@ -51,6 +52,11 @@ def check_arguments(
     if not isinstance(compile_layers, bool):
         raise TypeError(f"ExpertParallelStrategy(compile_layers={compile_layers!r}): pass True or False.")
     check_timeout(timeout)
+    if moe_model is not None and not isinstance(moe_model, str):
+        raise TypeError(
+            f"ExpertParallelStrategy(moe_model={moe_model!r}): pass the attribute path of the Hugging Face model "
+            "inside the LightningModule as a str (e.g. 'model' or 'policy'), or None."
+        )
 
 
 def check_activation_checkpointing(value: Any, moe: MoEConfig) -> None:

@@ -46,3 +46,12 @@ def test_bad_degree_at_trainer_construction_is_shown_once(tmp_path: Path) -> Non
     )
     _assert_shown_once(result, message, 2)
     assert "Initializing distributed" not in result.stdout + result.stderr  # before any process group
+
+
+def test_two_moe_models_refused_in_setup_is_shown_once(tmp_path: Path) -> None:
+    result = _torchrun(tmp_path, 2, "--degree", "2", "--frozen-copy")
+    message = (
+        "ValueError: ExpertParallelStrategy(moe_model=None): Module holds 2 MoE models, at ['model', 'frozen']; "
+        "name the one to parallelise by its attribute path, e.g. ExpertParallelStrategy(moe_model='model')."
+    )
+    _assert_shown_once(result, message, 2)

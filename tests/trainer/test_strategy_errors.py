@@ -223,6 +223,7 @@ def test_compile_layers_with_the_models_own_blocks(single_process) -> None:
             TypeError,
             r"timeout=30\): pass a datetime.timedelta, e.g. timedelta\(seconds=30\), or None for torch's default",
         ),
+        ({"moe_model": 1}, TypeError, r"moe_model=1\): pass the attribute path of the Hugging Face model .* a str"),
         ({"moe": {"moe_load_balancing": "none"}}, TypeError, "moe=...\\) must be a MoEConfig, got dict"),
         (
             {"activation_checkpointing": "selective"},
