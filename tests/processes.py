@@ -24,8 +24,9 @@ from pathlib import Path
 MARKER = "LIGHTNING_EP_TEST_SESSION"
 
 # Helpers that live as long as the pytest process, by design, and end with it: multiprocessing's
-# resource tracker (started by the first spawn) and Inductor's pool of compile workers.
-SESSION_HELPERS = ("multiprocessing.resource_tracker", "torch._inductor.compile_worker")
+# resource tracker (started by the first spawn) and Inductor's pool of compile workers (started by
+# path, `.../torch/_inductor/compile_worker/__main__.py`, where there are cores for it).
+SESSION_HELPERS = ("multiprocessing.resource_tracker", "_inductor/compile_worker/", "_inductor.compile_worker")
 
 
 def _stat(pid: int) -> tuple[int, str, int] | None:
