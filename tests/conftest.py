@@ -116,18 +116,18 @@ def single_process(monkeypatch: pytest.MonkeyPatch):
             os.environ[name] = value
 
 
-# Started after this many clock ticks since boot: the processes this session may have started.
-_SESSION_START = 0
+# Started after this many clock ticks since boot: the processes this pytest run may have started.
+_RUN_START = 0
 # How long a test's processes may take to end after it returns (a killed torchrun's workers notice
 # within half a second, see processes.exit_when_parent_dies).
 _GRACE_S = 5.0
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Mark this session's environment, which every process the tests start inherits."""
-    global _SESSION_START
+    """Mark this run's environment, which every process the tests start inherits."""
+    global _RUN_START
     os.environ[MARKER] = str(os.getpid())
-    _SESSION_START = start_time(os.getpid())
+    _RUN_START = start_time(os.getpid())
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +136,7 @@ def no_process_left_behind() -> Iterator[None]:
     that process: descendants of pytest, and processes adopted by init that carry the marker
     (torchrun workers whose torchrun was killed)."""
     yield
-    found = leftovers(os.getpid(), _SESSION_START)
+    found = leftovers(os.getpid(), _RUN_START)
     alive = wait_for_exit(found, _GRACE_S) if found else {}
     if alive:
         for pid in alive:

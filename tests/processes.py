@@ -1,10 +1,10 @@
 """The processes that tests start, found and ended: no test may leave one behind.
 
-``torchrun`` starts each worker in a session of its own, so killing torchrun's process group
-misses the workers, and a worker whose torchrun died is adopted by init: neither the group nor
-the parent links reach it. Two things find it anyway:
+``torchrun`` starts each worker in a Unix session of its own (``setsid``), so killing torchrun's
+process group misses the workers, and a worker whose torchrun died is adopted by init: neither the
+group nor the parent links reach it. Two things find it anyway:
 
-- every process started under this pytest session inherits ``MARKER=<pytest pid>`` in its
+- every process started under this pytest run inherits ``MARKER=<pytest pid>`` in its
   environment (set in ``tests/conftest.py``), which survives re-parenting;
 - ``kill_tree`` lists a process's descendants *before* killing any, while the links still hold.
 
@@ -21,12 +21,12 @@ import threading
 import time
 from pathlib import Path
 
-MARKER = "LIGHTNING_EP_TEST_SESSION"
+MARKER = "LIGHTNING_EP_TEST_RUN"
 
-# Helpers that live as long as the pytest process, by design, and end with it: multiprocessing's
+# Processes that live as long as the pytest process, by design, and end with it: multiprocessing's
 # resource tracker (started by the first spawn) and Inductor's pool of compile workers (started by
 # path, `.../torch/_inductor/compile_worker/__main__.py`, where there are cores for it).
-SESSION_HELPERS = ("multiprocessing.resource_tracker", "_inductor/compile_worker/", "_inductor.compile_worker")
+LONG_LIVED = ("multiprocessing.resource_tracker", "_inductor/compile_worker/", "_inductor.compile_worker")
 
 
 def _stat(pid: int) -> tuple[int, str, int] | None:
@@ -88,18 +88,18 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
             pass
 
 
-def leftovers(session_pid: int, since: int) -> dict[int, str]:
-    """``{pid: command line}`` of the processes this pytest session started that still run: the
-    descendants of ``session_pid`` and every process started at or after ``since`` (clock ticks
-    since boot, as ``/proc/<pid>/stat`` counts) whose environment carries this session's
-    ``MARKER``; session helpers excepted."""
+def leftovers(pytest_pid: int, since: int) -> dict[int, str]:
+    """``{pid: command line}`` of the processes this pytest run started that still run: the
+    descendants of ``pytest_pid`` and every process started at or after ``since`` (clock ticks
+    since boot, as ``/proc/<pid>/stat`` counts) whose environment carries this run's
+    ``MARKER``; the ``LONG_LIVED`` ones excepted."""
     processes = _live_processes()
-    entry = f"{MARKER}={session_pid}".encode()
-    mine = set(descendants(session_pid))
+    entry = f"{MARKER}={pytest_pid}".encode()
+    mine = set(descendants(pytest_pid))
     mine |= {pid for pid, (_, start) in processes.items() if start >= since and _environ_has(pid, entry)}
-    mine.discard(session_pid)
+    mine.discard(pytest_pid)
     found = {pid: command_line(pid) for pid in sorted(mine)}
-    return {pid: cmd for pid, cmd in found.items() if cmd and not any(h in cmd for h in SESSION_HELPERS)}
+    return {pid: cmd for pid, cmd in found.items() if cmd and not any(h in cmd for h in LONG_LIVED)}
 
 
 def start_time(pid: int) -> int:
