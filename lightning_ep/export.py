@@ -5,11 +5,14 @@
 ``CHECKPOINT`` is what Lightning's ``ModelParallelStrategy.save_checkpoint`` (hence
 ``ExpertParallelStrategy``) wrote: a sharded checkpoint directory or a full checkpoint file. It
 runs on one process, without GPUs or a process group; see ``lightning_ep.models.hf_export.export_hf``.
+A bad input (a missing checkpoint or config, ``OUT_DIR`` an existing file, a checkpoint that does
+not match the config) exits with status 1 and a one-line message, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from lightning_ep.models.hf_export import export_hf
@@ -36,9 +39,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "LightningModule whose self.model is the Hugging Face model (default: detected)",
     )
     args = parser.parse_args(argv)
-    out_dir = export_hf(args.checkpoint, args.out_dir, hf_config_or_folder=args.config, prefix=args.prefix)
+    try:
+        out_dir = export_hf(args.checkpoint, args.out_dir, hf_config_or_folder=args.config, prefix=args.prefix)
+    except (OSError, ValueError) as error:  # what export_hf raises for bad inputs; see its docstring
+        print(f"{parser.prog}: error: {_one_line(error)}", file=sys.stderr)
+        return 1
     print(f"wrote {out_dir}")
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    """``error``'s message on one line (Hugging Face's config errors span several)."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 if __name__ == "__main__":

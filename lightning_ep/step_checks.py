@@ -30,11 +30,16 @@ class StepChecks:
     Args:
         check_finite: keep the layers' non-finite flags and raise on one.
         log_losses: log ``moe/aux_loss``, ``moe/z_loss`` and their per-layer values.
+        precision: the Trainer's precision; with ``"32-true"`` and half-precision MoE weights, the
+            non-finite error names the weights' dtype as the cause (see ``nonfinite_fix``).
     """
 
-    def __init__(self, *, check_finite: bool, log_losses: bool) -> None:
+    def __init__(self, *, check_finite: bool, log_losses: bool, precision: str = "32-true") -> None:
         self.check_finite = check_finite
         self.log_losses = log_losses
+        self.precision = precision
+        # The layers of the last forward, for the dtype of their weights in the non-finite error.
+        self._layers: list[MoELayer] = []
         # Max over the micro-batches since the last check of the all-reduced per-layer flags.
         self._nonfinite: torch.Tensor | None = None
         # Its host copy, queued after the forward, and (CUDA) the event that marks the copy done.
@@ -55,6 +60,7 @@ class StepChecks:
                 self._raise_if_over_budget()
             return
         n = len(layers)
+        self._layers = layers
         flags = [lr.nonfinite.float() if self.check_finite else torch.zeros(()) for lr in layers]
         parts = [*(lr.aux_loss for lr in layers), *(lr.z_loss for lr in layers), *flags]
         stacked = torch.stack([p.to(device=device, dtype=torch.float32) for p in parts])
@@ -133,11 +139,28 @@ class StepChecks:
             return
         bad = [i for i, flag in enumerate(flags.tolist()) if flag > 0]
         step = module.trainer.global_step if module is not None and module._trainer is not None else -1
+        layers = [self._layers[i] for i in bad if i < len(self._layers)]
         raise FloatingPointError(
             f"non-finite router logits or outputs in MoE layer(s) {bad} at global step {step} (on at least "
-            "one rank). Lower the learning rate, raise moe_z_loss_coeff, or clip gradients; "
-            "ExpertParallelStrategy(check_finite=False) skips this check."
+            f"one rank). {nonfinite_fix(self.precision, layers)} ExpertParallelStrategy(check_finite=False) "
+            "skips this check."
         )
+
+
+def nonfinite_fix(precision: str, layers: list[MoELayer]) -> str:
+    """The likely cause and fix of a non-finite MoE value: half-precision weights under ``"32-true"``
+    (no autocast and no loss scaling: the layers compute in the weights' own dtype, and float16
+    overflows past 65504), else the usual training instability."""
+    half = (torch.float16, torch.bfloat16)
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for lr in layers for p in lr.parameters() if p.dtype in half})
+    if precision == "32-true" and dtypes:
+        overflow = " (float16 overflows past 65504)" if "float16" in dtypes else ""
+        return (
+            f"The MoE weights are {' and '.join(dtypes)} under Trainer(precision='32-true'), which computes in "
+            f"the weights' own dtype{overflow}: use precision='bf16-mixed' or 'bf16-true', or cast the model to "
+            "float32 (e.g. self.model.float() in configure_model)."
+        )
+    return "Lower the learning rate, raise moe_z_loss_coeff, or clip gradients;"
 
 
 def check_before_step(plugin: Any, checks: StepChecks) -> None:

@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
@@ -25,9 +26,9 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_ep import checkpoints
-from lightning_ep.models.init import materialize
-from lightning_ep.models.pretrained import PRETRAINED_ATTR
-from lightning_ep.models.registry import family_for, find_moe_blocks
+from lightning_ep.config_errors import shown_once
+from lightning_ep.model_selection import num_experts, select
+from lightning_ep.models.init import materialize_if_meta
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.balance import update_biases_after_each_step
@@ -36,39 +37,18 @@ from lightning_ep.parallel.fsdp import (
     check_all_sharded,
     decoder_blocks,
     gradient_sync,
+    shard_dense_modules,
     shard_model,
     shard_named_blocks,
 )
 from lightning_ep.parallel.mesh import check_layout, init_mesh
 from lightning_ep.step_checks import StepChecks, check_before_step, use_mesh_aware_clipping
+from lightning_ep.strategy_args import check_arguments, check_devices, check_precision
 from lightning_ep.transform import check_config_in_force, moe_layers, transform
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.fsdp import MixedPrecisionPolicy
-
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
-
-
-def _check_activation_checkpointing(value: Any, moe: MoEConfig) -> None:
-    if not (isinstance(value, bool) or value == "keep_all_to_all"):
-        raise ValueError(
-            f"ExpertParallelStrategy(activation_checkpointing={value!r}): pass True, False or 'keep_all_to_all'."
-        )
-    if value and moe.cuda_graphs:
-        raise ValueError(
-            f"ExpertParallelStrategy(activation_checkpointing={value!r}) recomputes each decoder layer, which "
-            "MoEConfig.cuda_graphs=True cannot replay (a graph keeps one forward's activations); drop one of them."
-        )
-    nccl_a2a = moe.moe_all_to_all_dispatcher and moe.capacity_factor is None and not moe.symmetric_memory_dispatch
-    if value == "keep_all_to_all" and not nccl_a2a:
-        raise ValueError(
-            "ExpertParallelStrategy(activation_checkpointing='keep_all_to_all') keeps the all-to-all dispatcher's "
-            f"exchanges, but MoEConfig has moe_all_to_all_dispatcher={moe.moe_all_to_all_dispatcher}, capacity_factor="
-            f"{moe.capacity_factor}, symmetric_memory_dispatch={moe.symmetric_memory_dispatch}; use the dropless "
-            "all-to-all dispatcher (True, None, False) or activation_checkpointing=True."
-        )
-
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -120,7 +100,16 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             two CPU runs give bitwise-identical losses (see the README for GPU).
         tensor_parallel_size: must be 1; tensor parallelism alongside EP is not supported.
         process_group_backend: ``"nccl"``, ``"gloo"``, or ``None`` for the device's default.
-        timeout: collective timeout.
+        timeout: collective timeout (a ``datetime.timedelta``).
+        moe_model: attribute path of the Hugging Face MoE model to parallelise inside the
+            LightningModule (``"model"``, ``"policy"``); needed only when it holds several (a policy
+            and a frozen reference). The other MoE models must be frozen and stay whole on every
+            rank; trainable modules outside them (a value head) are sharded with FSDP2 over all
+            ranks (see ``lightning_ep.model_selection``).
+
+    A configuration error is raised in full on rank 0 and as a one-line note on the other ranks
+    (``lightning_ep.config_errors``); ``degree`` and the precision are checked against the
+    Trainer's ``devices``, ``num_nodes`` and ``precision`` inside ``Trainer(...)`` already.
     """
 
     def __init__(
@@ -140,6 +129,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         process_group_backend: str | None = None,
         timeout: timedelta | None = _DEFAULT_TIMEOUT,
+        moe_model: str | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
@@ -148,41 +138,33 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
-            raise ValueError(
-                f"ExpertParallelStrategy(degree={degree!r}): pass an int >= 1 that divides the world size and "
-                "the expert count, or 'auto'."
+        # Under torchrun every rank builds the strategy: show a bad argument once (config_errors).
+        # The process group does not exist yet; Lightning set this rank from the launcher's environment.
+        with shown_once(int(getattr(rank_zero_only, "rank", 0))):
+            check_arguments(
+                degree=degree,
+                replicate_degree=replicate_degree,
+                moe=moe,
+                activation_checkpointing=activation_checkpointing,
+                compile_layers=compile_layers,
+                tensor_parallel_size=tensor_parallel_size,
+                timeout=timeout,
+                moe_model=moe_model,
             )
-        if isinstance(replicate_degree, bool) or not isinstance(replicate_degree, int) or replicate_degree < 1:
-            raise ValueError(f"ExpertParallelStrategy(replicate_degree={replicate_degree!r}): pass an int >= 1.")
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                f"ExpertParallelStrategy(tensor_parallel_size={tensor_parallel_size!r}): tensor parallelism "
-                "cannot be combined with expert parallelism here; use tensor_parallel_size=1 and spread the "
-                "experts with `degree` instead."
-            )
-        if moe is not None and not isinstance(moe, MoEConfig):
-            raise TypeError(f"ExpertParallelStrategy(moe=...) must be a MoEConfig, got {type(moe).__name__}.")
+            allowed = checkpoints.check_allowed(allow_moe_config_change)
         if moe is not None and not moe.smp_moe:
-            if degree not in (1, "auto"):
-                raise ValueError(
-                    f"ExpertParallelStrategy(degree={degree!r}) with MoEConfig(smp_moe=False): the model keeps its "
-                    "own MoE blocks, which cannot be split across ranks; use degree=1 or smp_moe=True."
-                )
             degree = 1
         self._degree: int | Literal["auto"] = degree
         self.replicate_degree = replicate_degree
         self.moe = moe if moe is not None else MoEConfig()
-        self.allow_moe_config_change = checkpoints.check_allowed(allow_moe_config_change)
-        _check_activation_checkpointing(activation_checkpointing, self.moe)
+        self.allow_moe_config_change = allowed
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
-        if not isinstance(compile_layers, bool):
-            raise TypeError(f"ExpertParallelStrategy(compile_layers={compile_layers!r}): pass True or False.")
         self.compile_layers = compile_layers
         self.log_moe_losses = log_moe_losses
         self.check_finite = check_finite
         self.deterministic = deterministic
+        self.moe_model = moe_model
         self._hf_model: nn.Module | None = None
         self._bias_hooks: list[RemovableHandle] = []
         self._step_checks = StepChecks(check_finite=check_finite, log_losses=log_moe_losses)
@@ -195,13 +177,18 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     # ----------------------------------------------------------------------------- environment
 
     @override
+    def set_world_ranks(self) -> None:
+        """Also check the layout and the precision against the Trainer's arguments: Lightning calls
+        this once it has given the strategy its devices, ``num_nodes`` and precision plugin, inside
+        ``Trainer.__init__`` (so, under Lightning's own launcher, once, before processes start)."""
+        super().set_world_ranks()
+        with shown_once(self.global_rank):
+            check_precision(self.precision_plugin.precision)
+            if self._degree != "auto" and self.parallel_devices:
+                check_devices(self._degree, self.replicate_degree, devices=self.num_processes, num_nodes=self.num_nodes)
+
+    @override
     def setup_environment(self) -> None:
-        precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"ExpertParallelStrategy does not support precision={precision!r}; choose one of "
-                f"{list(SUPPORTED_PRECISION)} (bf16 gives the speed of half precision without loss scaling)."
-            )
         if self.deterministic:
             torch.use_deterministic_algorithms(True)
         self._setup_distributed()
@@ -209,10 +196,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             self._build_mesh(self._degree)
 
     def _build_mesh(self, degree: int) -> None:
-        try:
-            check_layout(self.world_size, degree, self.replicate_degree)
-        except ValueError as error:
-            raise ValueError(f"ExpertParallelStrategy: {error}") from None
+        with shown_once(self.global_rank):
+            try:
+                check_layout(self.world_size, degree, self.replicate_degree)
+            except ValueError as error:
+                raise ValueError(f"ExpertParallelStrategy: {error}") from None
         self._degree = degree
         self._device_mesh = init_mesh(degree, replicate_degree=self.replicate_degree, device_type=self.root_device.type)
         assert self.lightning_module is not None
@@ -240,24 +228,27 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-        if on_meta and not is_overridden("configure_model", module):
-            raise TypeError(
-                f"{type(module).__name__} holds meta-device weights but does not override configure_model(); "
-                "build the Hugging Face model inside configure_model() so the strategy can shard and "
-                "materialise it."
-            )
-        hf_model = self._find_moe_model(module)
-        if self._degree == "auto":
-            self._build_mesh(self._auto_degree(self._num_experts(hf_model)))
-        self._parallelize(hf_model)
-        if any(t.is_meta for t in (*hf_model.parameters(), *hf_model.buffers())):
-            materialize(hf_model, self.root_device)
-            folder = getattr(hf_model, PRETRAINED_ATTR, None)
-            if folder is not None:
-                from lightning_ep.models.hf_io import load_pretrained_sharded
-
-                load_pretrained_sharded(hf_model, folder)
+        with shown_once(self.global_rank):  # the module's structure is the same on every rank
+            on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+            if on_meta and not is_overridden("configure_model", module):
+                raise TypeError(
+                    f"{type(module).__name__} holds meta-device weights but does not override configure_model(); "
+                    "build the Hugging Face model inside configure_model() so the strategy can shard and "
+                    "materialise it."
+                )
+            selection = select(module, self.moe_model, smp_moe=self.moe.smp_moe)
+            degree = self._auto_degree(num_experts(selection.model)) if self._degree == "auto" else None
+        if degree is not None:
+            self._build_mesh(degree)
+        self._parallelize(selection.model)
+        shard_dense_modules(
+            list(selection.extras.values()),
+            self.device_mesh,
+            mp_policy=self._mp_policy(),
+            reshard_after_forward=self.reshard_after_forward,
+        )
+        for part in (selection.model, *selection.others.values(), *selection.extras.values()):
+            materialize_if_meta(part, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         check_all_sharded(module)
@@ -265,38 +256,14 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._bias_hooks = update_biases_after_each_step(self.optimizers, hf_model)
+            self._bias_hooks = update_biases_after_each_step(self.optimizers, selection.model)
         self.setup_precision_plugin()
         use_mesh_aware_clipping(self.precision_plugin)
-        self._step_checks = StepChecks(check_finite=self.check_finite, log_losses=self.log_moe_losses)
+        self._step_checks = StepChecks(
+            check_finite=self.check_finite, log_losses=self.log_moe_losses, precision=self.precision_plugin.precision
+        )
         self._step_checks.watch_budgets(self._layers())
         check_before_step(self.precision_plugin, self._step_checks)
-
-    def _find_moe_model(self, module: nn.Module) -> nn.Module:
-        """The outermost Hugging Face model inside the LightningModule that has MoE blocks."""
-        candidates = [m for m in module.modules() if hasattr(getattr(m, "config", None), "model_type")]
-        for candidate in candidates:
-            if moe_layers(candidate):
-                return candidate
-            if self.moe.smp_moe:
-                if find_moe_blocks(candidate, family_for(candidate)):
-                    return candidate
-            elif getattr(candidate, "_no_split_modules", None):
-                return candidate
-        raise ValueError(
-            f"ExpertParallelStrategy found no MoE block in {type(module).__name__}: build a supported Hugging Face "
-            "MoE model (e.g. MixtralForCausalLM) as an attribute of the LightningModule in configure_model(); "
-            f"found {[type(c).__name__ for c in candidates] or 'no Hugging Face model'}."
-        )
-
-    @staticmethod
-    def _num_experts(hf_model: nn.Module) -> int:
-        layers = moe_layers(hf_model)
-        if layers:
-            return layers[0].num_experts
-        family = family_for(hf_model)
-        _, block = find_moe_blocks(hf_model, family)[0]
-        return int(block.get_parameter(family.gate_up_proj).shape[0])
 
     def _mp_policy(self) -> MixedPrecisionPolicy | None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -309,7 +276,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         """Transform, optionally checkpoint, and shard ``hf_model`` (idempotent)."""
         self._hf_model = hf_model
         fix = "drop the transform() call (the strategy transforms with its moe=) or give the strategy the same config"
-        check_config_in_force(hf_model, self.moe, asked_by="ExpertParallelStrategy(moe=...)", fix=fix)
+        with shown_once(self.global_rank):
+            check_config_in_force(hf_model, self.moe, asked_by="ExpertParallelStrategy(moe=...)", fix=fix)
         if any(isinstance(p, DTensor) for p in hf_model.parameters()):
             return
         mesh = self.device_mesh
@@ -323,7 +291,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 )
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.moe.smp_moe:
-            transform(hf_model, self.moe, mesh=mesh)
+            with shown_once(self.global_rank):  # a degree that does not divide the expert count
+                transform(hf_model, self.moe, mesh=mesh)
             shard_model(hf_model, mesh, mp_policy=self._mp_policy(), reshard_after_forward=self.reshard_after_forward)
             blocks = decoder_blocks(hf_model)
         else:
@@ -403,11 +372,12 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         if self._hf_model is None:
             yield None
             return
-        gradient_sync(self._hf_model, False)
+        module = self.lightning_module if self.lightning_module is not None else self._hf_model
+        gradient_sync(module, False)  # the MoE model and the extra modules sharded beside it
         try:
             yield None
         finally:
-            gradient_sync(self._hf_model, True)
+            gradient_sync(module, True)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,5 +1,6 @@
 """Shared helpers for every test tier: the tiny Mixtral factory, a relative-error helper, a
-counter of CUDA host syncs, and a one-process distributed environment for in-process Trainer runs.
+counter of CUDA host syncs, and a one-process distributed environment for in-process Trainer runs;
+and a check after every test that it left no process behind (``tests/processes.py``).
 
 Import them from a test module with ``from conftest import tiny_mixtral_config`` (pytest puts this
 folder on ``sys.path``), or use the fixtures below. transformers is imported lazily so that
@@ -8,12 +9,14 @@ collecting a test that does not need it does not pay for (or depend on) the impo
 
 from __future__ import annotations
 
+import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+from processes import MARKER, kill_tree, leftovers, start_time, wait_for_exit
 
 TINY_MIXTRAL: dict[str, Any] = dict(
     vocab_size=128,
@@ -90,7 +93,9 @@ def tiny_model():
 @pytest.fixture
 def single_process(monkeypatch: pytest.MonkeyPatch):
     """A free ``MASTER_ADDR``/``MASTER_PORT`` for a Trainer run in this process (one rank, gloo);
-    the default process group is destroyed afterwards."""
+    the default process group is destroyed afterwards, and the variables Lightning's launcher sets
+    in this process are removed (a later ``LOCAL_RANK`` made a CLI run that pytest starts think it
+    was a launched rank and wait for the others)."""
     import socket
 
     import torch.distributed as dist
@@ -100,6 +105,41 @@ def single_process(monkeypatch: pytest.MonkeyPatch):
         port = s.getsockname()[1]
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
+    launcher_env = {name: os.environ.get(name) for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    for name, value in launcher_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+# Started after this many clock ticks since boot: the processes this pytest run may have started.
+_RUN_START = 0
+# How long a test's processes may take to end after it returns (a killed torchrun's workers notice
+# within half a second, see processes.exit_when_parent_dies).
+_GRACE_S = 5.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Mark this run's environment, which every process the tests start inherits."""
+    global _RUN_START
+    os.environ[MARKER] = str(os.getpid())
+    _RUN_START = start_time(os.getpid())
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """Fail the test (at teardown) if a process it started still runs once it is done, and end
+    that process: descendants of pytest, and processes adopted by init that carry the marker
+    (torchrun workers whose torchrun was killed)."""
+    yield
+    found = leftovers(os.getpid(), _RUN_START)
+    alive = wait_for_exit(found, _GRACE_S) if found else {}
+    if alive:
+        for pid in alive:
+            kill_tree(pid)
+        listing = "\n".join(f"  {pid}: {cmd[:200]}" for pid, cmd in alive.items())
+        pytest.fail(f"{len(alive)} processes started by this test still ran {_GRACE_S:.0f} s after it:\n{listing}")

@@ -92,13 +92,15 @@ def export_hf(
     Raises:
         TypeError: ``source`` or ``hf_config_or_folder`` has an unsupported type.
         FileNotFoundError: a path that does not exist.
+        NotADirectoryError: ``out_dir`` is an existing file (``save_pretrained`` would write nothing).
         ValueError: a directory that is not a DCP checkpoint, a file ``torch.load`` refuses with
             ``weights_only=True``, a prefix that matches no key or an ambiguous one, or keys and
             shapes that do not match the config.
         RuntimeError: on ranks other than 0, when rank 0 failed.
     """
-    config = _hf_config(hf_config_or_folder)
     out_dir = Path(out_dir)
+    _check_out_dir(out_dir)
+    config = _hf_config(hf_config_or_folder)
     if not isinstance(source, (nn.Module, Mapping, str, os.PathLike)):
         raise TypeError(
             f"export_hf(source=...) must be a model, a state dict or a checkpoint path, got {type(source).__name__}."
@@ -123,6 +125,18 @@ def export_hf(
     return out_dir
 
 
+def _check_out_dir(out_dir: Path) -> None:
+    """Refuse an ``out_dir`` that is, or lies under, an existing file: ``save_pretrained`` only logs
+    the first case and returns, so the caller would think the folder was written."""
+    existing = next((p for p in (out_dir, *out_dir.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "" if existing == out_dir else f" lies under {str(existing)!r}, which"
+        raise NotADirectoryError(
+            f"export_hf(out_dir={str(out_dir)!r}){where} is an existing file, not a folder; pass a folder to "
+            "write (it is created if needed), or remove the file."
+        )
+
+
 def _hf_config(value: Any) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
@@ -131,7 +145,14 @@ def _hf_config(value: Any) -> Any:
     if isinstance(value, (str, os.PathLike)):
         path = Path(value)
         if path.is_file() or (path / "config.json").is_file():
-            return AutoConfig.from_pretrained(str(path))
+            try:
+                return AutoConfig.from_pretrained(str(path))
+            except (OSError, ValueError) as err:  # not JSON, no model_type, a type transformers lacks
+                reason = " ".join(str(err).split())
+                raise ValueError(
+                    f"export_hf(hf_config_or_folder={str(value)!r}): transformers cannot read it as a model "
+                    f"config ({reason}); pass the Hugging Face folder the model was built from or its config.json."
+                ) from err
         raise FileNotFoundError(
             f"export_hf(hf_config_or_folder={str(value)!r}): neither a folder with a config.json nor a "
             "config JSON file; pass the Hugging Face folder the model was built from, its config.json, "

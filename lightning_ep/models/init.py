@@ -61,3 +61,20 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
                 reset()
     init_moe_weights(model)
     return model
+
+
+def materialize_if_meta(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``materialize`` ``model`` if it has meta tensors, then read the weights of a model built by
+    ``lightning_ep.models.pretrained.from_pretrained`` from its folder (each rank only its own
+    shards, see ``load_pretrained_sharded``); a model with no meta tensor is left as it is."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return model
+    materialize(model, device)
+    from lightning_ep.models.pretrained import PRETRAINED_ATTR
+
+    folder = getattr(model, PRETRAINED_ATTR, None)
+    if folder is not None:
+        from lightning_ep.models.hf_io import load_pretrained_sharded
+
+        load_pretrained_sharded(model, folder)
+    return model

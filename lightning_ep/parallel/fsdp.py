@@ -165,6 +165,26 @@ def shard_named_blocks(
     return blocks
 
 
+def shard_dense_modules(
+    modules: list[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> None:
+    """FSDP2 for trainable modules outside the MoE model (a value head beside it), each one unit over
+    ``("replicate", "shard")`` like the model's dense parts: their gradients are averaged over every
+    rank, as in data parallelism. FSDP2 gathers a unit's weights in its ``forward``, so the module
+    must be called, not its weights read. Modules already sharded are skipped."""
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    shard_mesh = _fsdp_mesh(dense_mesh(mesh))
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            fully_shard(module, mesh=shard_mesh, **kwargs)
+
+
 def check_all_sharded(model: nn.Module) -> None:
     """Raise if a trainable parameter is not a DTensor: it would never get its gradients synced."""
     plain = [name for name, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
@@ -187,6 +207,7 @@ __all__ = [
     "decoder_blocks",
     "gradient_sync",
     "output_head",
+    "shard_dense_modules",
     "shard_model",
     "shard_named_blocks",
 ]

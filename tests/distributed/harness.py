@@ -1,7 +1,7 @@
 """Spawn ``world`` gloo processes on the CPU and run a worker function in each.
 
 Workers are plain top-level functions ``fn(rank, world, *args)``; an exception in any of them fails
-the test with the worker's traceback.
+the test with the worker's traceback. A worker ends by itself when the test's process dies.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from processes import exit_when_parent_dies
 
 
 def free_port() -> int:
@@ -26,6 +27,7 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, store: str, backend: str, fn: Callable[..., Any], args: tuple) -> None:
+    exit_when_parent_dies()
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)

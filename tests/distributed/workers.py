@@ -7,6 +7,7 @@ each rank's micro-batch, losses and gradients averaged over ranks.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -270,9 +271,17 @@ def run_bad_degree(rank: int, world: int) -> None:
     mesh = lightning_ep.init_mesh(4, device_type="cpu")
     with pytest.raises(
         ValueError,
-        match=r"degree=4 does not divide the number of experts 6 .*choose a degree in \[1, 2, 3, 6\]",
+        match=re.escape(
+            "degree=4 does not divide the number of experts 6 (layer 0); choose a degree that divides both the "
+            "expert count and the world size 4: one of [1, 2]. Otherwise use an expert count that is a multiple "
+            "of 4, or a world size / replicate_degree that is a multiple of one of [3, 6] to use it as the degree."
+        ),
     ):
         lightning_ep.transform(model, MoEConfig(), mesh=mesh)
+    # Under HSDP a degree must divide the ranks of one replica, W / replicate_degree = 2 here.
+    hybrid = lightning_ep.init_mesh(2, replicate_degree=2, device_type="cpu")
+    with pytest.raises(ValueError, match=re.escape("and world size / replicate_degree = 2: one of [1]. Otherwise")):
+        lightning_ep.transform(tiny_mixtral(num_local_experts=3), MoEConfig(), mesh=hybrid)
     plain = lightning_ep.transform(tiny_mixtral(), MoEConfig())
     with pytest.raises(
         RuntimeError, match=r"call lightning_ep.transform\(model, config, mesh=mesh\) before shard_model"

@@ -2,7 +2,8 @@
 
 ``--reference`` runs the one-process reference instead (plain torch, no Trainer): the unsharded
 model on every rank's micro-batch in turn, losses and gradients averaged, like data parallelism.
-Rank 0 writes ``{"losses": [mean loss over ranks per step], ...}`` as JSON to ``--out``.
+Rank 0 writes ``{"losses": [mean loss over ranks per step], ...}`` as JSON to ``--out``. A worker
+ends by itself when its launcher dies (``processes.exit_when_parent_dies``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import lightning_ep
 from lightning_ep import ExpertParallelStrategy, MoEConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for processes.py
+from processes import exit_when_parent_dies
 
 VOCAB = 128
 SEQ = 16
@@ -66,12 +70,40 @@ class Tokens(Dataset):
         return self.data[i]
 
 
+def build_beside(value_head: bool, frozen_copy: bool) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """A value head (``nn.Linear(H, 1)``, seeded) and a frozen second MoE model (``build_model``'s
+    weights), the parts of an RL or DPO fine-tune that sit beside the trained model."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(64, 1) if value_head else None
+    frozen = build_model().requires_grad_(False) if frozen_copy else None
+    return head, frozen
+
+
+def training_loss(model, batch, head, frozen) -> torch.Tensor:
+    """The model's loss, plus the value head's ``mean(v^2)`` on the last hidden states and a squared
+    distance of the logits to the frozen model's, when there are those."""
+    out = model(input_ids=batch, labels=batch, output_hidden_states=head is not None)
+    loss = out.loss
+    if head is not None:
+        loss = loss + head(out.hidden_states[-1]).pow(2).mean()
+    if frozen is not None:
+        with torch.no_grad():
+            reference = frozen(input_ids=batch).logits
+        loss = loss + 0.1 * (out.logits - reference).pow(2).mean()
+    return loss
+
+
 class Module(LightningModule):
-    def __init__(self, lr: float, pretrained: str | None = None) -> None:
+    def __init__(
+        self, lr: float, pretrained: str | None = None, value_head: bool = False, frozen_copy: bool = False
+    ) -> None:
         super().__init__()
         self.lr = lr
         self.pretrained = pretrained
+        self.beside = (value_head, frozen_copy)
         self.model: torch.nn.Module | None = None
+        self.value_head: torch.nn.Module | None = None
+        self.frozen: torch.nn.Module | None = None
         self.losses: list[float] = []
         self.aux_losses: list[list[float]] = []  # per micro-batch: each MoE layer's aux loss, mean over ranks
         self.poison_step = -1
@@ -94,6 +126,8 @@ class Module(LightningModule):
             self.model = build_model()
         if self.pre_transform is not None:
             lightning_ep.transform(self.model, self.pre_transform)
+        if any(self.beside) and self.value_head is None and self.frozen is None:
+            self.value_head, self.frozen = build_beside(*self.beside)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.global_step == self.poison_step and dist.get_rank() == 1 and not self.poisoned:
@@ -107,7 +141,7 @@ class Module(LightningModule):
                 return (args[0] * float("inf"),)
 
             handle = layer.register_forward_pre_hook(poison)
-        loss = self.model(input_ids=batch, labels=batch).loss
+        loss = training_loss(self.model, batch, self.value_head, self.frozen)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         self.losses.append(mean.item() / dist.get_world_size())
@@ -198,6 +232,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
         compile_layers=args.compile,
         process_group_backend="gloo",
         timeout=timedelta(seconds=120),
+        moe_model=args.moe_model,
     )
     save_steps = [int(s) for s in str(args.save_at).split(",")]
     callbacks = [SaveAt(save_steps, args.save_to)] if args.save_to else []
@@ -221,7 +256,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
     if args.manual:
         module: Module = ManualModule(args.lr, args.accumulate, pretrained=args.pretrained)
     else:
-        module = Module(args.lr, pretrained=args.pretrained)
+        module = Module(args.lr, pretrained=args.pretrained, value_head=args.value_head, frozen_copy=args.frozen_copy)
     module.poison_step = args.poison_step
     module.pre_transform = moe_config(args.pre_transform, args) if args.pre_transform else None
     module.record_balance = args.mode == "balanced"
@@ -248,7 +283,26 @@ def run_trainer(args: argparse.Namespace) -> dict:
         "degree": strategy.degree,
         "checkpointed": bool(checkpointed),
         "keep_all_to_all": bool(kept) and all(kept),  # set on every layer, nothing left pending
+        **_beside_results(module.value_head, module.frozen),
     }
+
+
+def _beside_results(head: torch.nn.Module | None, frozen: torch.nn.Module | None) -> dict:
+    """The value head's weight after training (gathered whole) and whether the frozen model kept its
+    own blocks and plain tensors, for runs that have them."""
+    from torch.distributed.tensor import DTensor
+
+    results: dict = {}
+    if head is not None:
+        weight = head.weight
+        results["head_sharded"] = isinstance(weight, DTensor)
+        weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        results["head_weight"] = weight.detach().flatten().tolist()
+    if frozen is not None:
+        results["frozen_untouched"] = not lightning_ep.moe_layers(frozen) and not any(
+            isinstance(p, DTensor) for p in frozen.parameters()
+        )
+    return results
 
 
 def run_reference(args: argparse.Namespace) -> dict:
@@ -258,7 +312,9 @@ def run_reference(args: argparse.Namespace) -> dict:
     for layer in lightning_ep.moe_layers(model):
         layer.loss_scale = 1.0 / world
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=1e-6, foreach=False)
+    head, frozen = build_beside(args.value_head, args.frozen_copy)
+    params = [*model.parameters(), *(head.parameters() if head is not None else [])]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-6, foreach=False)
     dataset = Tokens(args.samples)
     batches_per_epoch = len(dataset) // world // batch
     losses = []
@@ -271,18 +327,19 @@ def run_reference(args: argparse.Namespace) -> dict:
             sampler = DistributedSampler(dataset, num_replicas=world, rank=r, shuffle=True, seed=0)
             sampler.set_epoch(epoch)
             ids = dataset.data[list(sampler)[i * batch : (i + 1) * batch]]
-            loss = model(input_ids=ids, labels=ids).loss / world
+            loss = training_loss(model, ids, head, frozen) / world
             loss.backward()
             total += loss.item()
         if args.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            torch.nn.utils.clip_grad_norm_(params, args.clip)
         optimizer.step()
         losses.append(total)
-    return {"losses": losses}
+    return {"losses": losses, **_beside_results(head, frozen)}
 
 
 def main() -> None:
     global EXPERTS
+    exit_when_parent_dies()
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--reference", action="store_true")
@@ -315,6 +372,9 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--pretrained", default=None, help="fine-tune from this save_pretrained folder")
+    parser.add_argument("--value-head", action="store_true", help="a trainable nn.Linear beside the model")
+    parser.add_argument("--frozen-copy", action="store_true", help="a frozen second MoE model beside the model")
+    parser.add_argument("--moe-model", default=None, help="ExpertParallelStrategy(moe_model=...)")
     args = parser.parse_args()
     args.degree = args.degree if args.degree == "auto" else int(args.degree)
     EXPERTS = args.experts

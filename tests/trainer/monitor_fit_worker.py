@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,6 +22,9 @@ from torch.utils.data import DataLoader
 
 import lightning_ep
 from lightning_ep import ExpertParallelStrategy, MoEConfig, MoEMonitor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for processes.py
+from processes import exit_when_parent_dies
 
 BATCH, SEQ, VOCAB = 2, 16, 128
 
@@ -75,6 +79,7 @@ class Recorder(Callback):
 
 
 def main() -> None:
+    exit_when_parent_dies()
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True)
     root = Path(parser.parse_args().root)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from processes import kill_tree
 from test_strategy import WORKER, _free_port, assert_close, run
 
 pytestmark = pytest.mark.distributed
@@ -41,15 +41,18 @@ def test_killed_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
         "--save-at", "2,3", "--save-to", template, "--slow-save-from", "3",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     partial = tmp_path / "ck-3.partial"
     deadline = time.monotonic() + 240
-    while not (partial / ".metadata").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
+    try:
+        while not (partial / ".metadata").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.2)
+    finally:
+        # torchrun and its workers, which torchrun starts in sessions of their own (a process-group
+        # kill misses them); the workers are listed before torchrun dies and they are re-parented.
+        kill_tree(proc.pid)
+        proc.wait(timeout=60)
 
     assert (tmp_path / "ck-2").is_dir() and not (tmp_path / "ck-3").exists() and partial.is_dir()
     resumed = run(tmp_path, "resumed", "--degree", "2", "--resume", str(tmp_path / "ck-2"))

@@ -169,3 +169,16 @@ def test_bf16_mixed_logs_moe_losses(runs: dict) -> None:
     # to 1 as in SMP and Megatron-Core), so ~2 for the sum over the two layers.
     assert all(0.75 < float(r["moe/layer_0/aux_loss"]) < 1.5 for r in rows if r.get("moe/layer_0/aux_loss"))
     assert all(1.5 < float(r["moe/aux_loss"]) < 3.0 for r in rows if r.get("moe/aux_loss"))
+
+
+def test_value_head_and_frozen_model_match_reference(runs: dict) -> None:
+    """A trainable value head beside the model is sharded with FSDP2 over all ranks and a frozen second
+    MoE model stays whole (``moe_model="model"`` names the parallelised one): losses and the head's
+    trained weight equal data parallelism's."""
+    tmp = runs["tmp"]
+    beside = ("--value-head", "--frozen-copy")
+    ref = run(tmp, "ref-beside", "--world", "4", *beside, nproc=0)
+    result = run(tmp, "beside", "--degree", "2", *beside, "--moe-model", "model")
+    assert result["head_sharded"] and result["frozen_untouched"]
+    assert_close(result["losses"], ref["losses"])
+    assert_close(result["head_weight"], ref["head_weight"])

@@ -74,6 +74,60 @@ def test_degree_not_dividing_world_size(single_process) -> None:
     assert module.steps == 0
 
 
+@pytest.mark.parametrize(
+    ("devices", "num_nodes", "kwargs", "message"),
+    [
+        (4, 1, {"degree": 3}, "ExpertParallelStrategy(degree=3, replicate_degree=1) with Trainer(devices=4, "
+         "num_nodes=1): degree=3 does not divide the world size 4; choose one of [1, 2, 4]."),
+        (2, 2, {"degree": 3}, "with Trainer(devices=2, num_nodes=2): degree=3 does not divide the world size 4"),
+        (4, 1, {"degree": 2, "replicate_degree": 4}, "replicate_degree=4) with Trainer(devices=4, num_nodes=1): "
+         "world size 4 is not divisible by replicate_degree * degree = 4 * 2; with degree=2 choose replicate_degree "
+         "in [1, 2]."),
+    ],
+    ids=["degree-3-of-4", "degree-3-of-2x2-nodes", "replicate-4-degree-2-of-4"],
+)  # fmt: skip
+def test_layout_checked_at_trainer_construction(devices: int, num_nodes: int, kwargs: dict, message: str) -> None:
+    """Inside ``Trainer(...)``, before any process starts: Lightning's launcher would start them at
+    ``fit`` and each would print the error."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=ExpertParallelStrategy(**kwargs))
+
+
+def test_precision_checked_at_trainer_construction() -> None:
+    with pytest.raises(ValueError, match=re.escape("does not support precision='16-true'; choose one of")):
+        Trainer(accelerator="cpu", devices=4, strategy=ExpertParallelStrategy(2), precision="16-true")
+
+
+def test_auto_degree_and_a_fitting_layout_construct() -> None:
+    for strategy in (ExpertParallelStrategy("auto"), ExpertParallelStrategy(2, replicate_degree=2)):
+        assert Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False).strategy is strategy
+
+
+def test_fp16_weights_under_32_true_name_the_dtype(single_process) -> None:
+    """float16 weights under ``precision="32-true"`` overflow (a norm weight of 3e4 times unit
+    activations passes 65504 in the next matmul); the error says so, and the same weights in float32
+    train. Other non-finite values keep the usual advice (``test_robustness.py``)."""
+
+    def build(dtype: torch.dtype):
+        model = _mixtral().to(dtype)
+        with torch.no_grad():
+            model.model.layers[1].post_attention_layernorm.weight.fill_(3e4)
+        return model
+
+    module = Module(lambda: build(torch.float16))
+    message = (
+        "non-finite router logits or outputs in MoE layer(s) [1] at global step 0 (on at least one rank). The MoE "
+        "weights are float16 under Trainer(precision='32-true'), which computes in the weights' own dtype (float16 "
+        "overflows past 65504): use precision='bf16-mixed' or 'bf16-true', or cast the model to float32 (e.g. "
+        "self.model.float() in configure_model)."
+    )
+    with pytest.raises(FloatingPointError, match=re.escape(message)):
+        _fit(module, ExpertParallelStrategy(1, process_group_backend="gloo"))
+    module = Module(lambda: build(torch.float32))
+    _fit(module, ExpertParallelStrategy(1, process_group_backend="gloo"))
+    assert module.steps == 1
+
+
 def test_model_without_moe_block(single_process) -> None:
     module = Module(_llama)
     with pytest.raises(
@@ -164,6 +218,12 @@ def test_compile_layers_with_the_models_own_blocks(single_process) -> None:
         ({"degree": "three"}, ValueError, r"degree='three'\): pass an int >= 1"),
         ({"replicate_degree": 0}, ValueError, r"replicate_degree=0\): pass an int >= 1"),
         ({"compile_layers": "yes"}, TypeError, r"compile_layers='yes'\): pass True or False"),
+        (
+            {"timeout": 30},
+            TypeError,
+            r"timeout=30\): pass a datetime.timedelta, e.g. timedelta\(seconds=30\), or None for torch's default",
+        ),
+        ({"moe_model": 1}, TypeError, r"moe_model=1\): pass the attribute path of the Hugging Face model .* a str"),
         ({"moe": {"moe_load_balancing": "none"}}, TypeError, "moe=...\\) must be a MoEConfig, got dict"),
         (
             {"activation_checkpointing": "selective"},

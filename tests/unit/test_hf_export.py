@@ -9,6 +9,7 @@ of the original Hugging Face model writes.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,67 @@ def test_command_line_requires_config(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--config" in capsys.readouterr().err
 
 
+def test_command_line_refuses_an_existing_file_as_out_dir(hf_folder: Path, tmp_path: Path) -> None:
+    """Once it printed ``wrote OUT``, wrote nothing (save_pretrained only logs) and exited 0."""
+    torch.save({"state_dict": {"model." + k: v for k, v in trained().state_dict().items()}}, tmp_path / "c.ckpt")
+    (tmp_path / "out").write_text("not a folder")
+    command = [sys.executable, "-m", "lightning_ep.export", str(tmp_path / "c.ckpt"), str(tmp_path / "out")]
+    result = subprocess.run([*command, "--config", str(hf_folder)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == ""
+    assert re.fullmatch(
+        r"python -m lightning_ep\.export: error: export_hf\(out_dir='.*out'\) is an existing file, not a folder; "
+        r"pass a folder to write \(it is created if needed\), or remove the file\.\n",
+        result.stderr,
+    ), result.stderr
+    assert (tmp_path / "out").read_text() == "not a folder"
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing checkpoint", r"export_hf\(source='.*nope\.ckpt'\): no such file or directory; pass a Lightning"),
+        ("missing config", r"export_hf\(hf_config_or_folder='.*nowhere'\): neither a folder with a config\.json"),
+        (
+            "config not JSON",
+            r"export_hf\(hf_config_or_folder='.*bad\.json'\): transformers cannot read it as a model config "
+            r"\(It looks like the config file at .* is not a valid JSON file\.\); pass the Hugging Face folder",
+        ),
+        (
+            "config without model_type",
+            r"export_hf\(hf_config_or_folder='.*notype\.json'\): transformers cannot read it as a model config "
+            r"\(Unrecognized model in .*`model_type`.*\); pass",
+        ),
+        ("out under a file", r"export_hf\(out_dir='.*file/out'\) lies under '.*file', which is an existing file"),
+        ("wrong prefix", r"export_hf\(prefix='net\.'\): no checkpoint key starts with it"),
+    ],
+)
+def test_command_line_errors_are_one_line(
+    hf_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, message: str
+) -> None:
+    """Bad inputs exit with status 1 and one line naming the argument, its value and the fix."""
+    torch.save({"state_dict": {"model." + k: v for k, v in trained().state_dict().items()}}, tmp_path / "c.ckpt")
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "notype.json").write_text('{"hidden_size": 64}')
+    (tmp_path / "file").write_text("")
+    checkpoint, out, config, extra = tmp_path / "c.ckpt", tmp_path / "out", hf_folder, []
+    if case == "missing checkpoint":
+        checkpoint = tmp_path / "nope.ckpt"
+    elif case == "missing config":
+        config = tmp_path / "nowhere"
+    elif case == "config not JSON":
+        config = tmp_path / "bad.json"
+    elif case == "config without model_type":
+        config = tmp_path / "notype.json"
+    elif case == "out under a file":
+        out = tmp_path / "file" / "out"
+    else:
+        extra = ["--prefix", "net."]
+    assert main([str(checkpoint), str(out), "--config", str(config), *extra]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert re.match(r"python -m lightning_ep\.export: error: " + message, captured.err), captured.err
+
+
 def test_export_live_model_drops_balanced_bias(hf_folder: Path, tmp_path: Path) -> None:
     model = trained(mode="balanced")
     assert any(k.endswith("gate.expert_bias") for k in model.state_dict())
@@ -162,6 +224,12 @@ def test_export_errors(hf_folder: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="holds a list, not a checkpoint dict"):
         export_hf(tmp_path / "list.pt", tmp_path / "o", hf_config_or_folder=config)
 
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"out_dir='.*file'\) is an existing file, not a folder; pass a"):
+        export_hf(state, tmp_path / "file", hf_config_or_folder=config)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"bad\.json'\): transformers cannot read it as a model config \(It looks"):
+        export_hf(state, tmp_path / "o", hf_config_or_folder=tmp_path / "bad.json")
     with pytest.raises(FileNotFoundError, match=r"hf_config_or_folder='.*nowhere'\): neither a folder"):
         export_hf(state, tmp_path / "o", hf_config_or_folder=tmp_path / "nowhere")
     with pytest.raises(TypeError, match=r"hf_config_or_folder=\.\.\.\) must be a PretrainedConfig.* got dict"):

@@ -1,0 +1,111 @@
+"""The checks of ``ExpertParallelStrategy``'s arguments, each with the argument, its value and the fix.
+
+Pure functions of the arguments (and of the Trainer's ``devices`` and ``num_nodes``), so that the
+strategy can run them as early as their facts are known: at construction, or when the Trainer
+hands it its devices (``ExpertParallelStrategy.set_world_ranks``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning_ep.moe.config import MoEConfig
+from lightning_ep.parallel.mesh import check_layout
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+
+def check_arguments(
+    *,
+    degree: Any,
+    replicate_degree: Any,
+    moe: Any,
+    activation_checkpointing: Any,
+    compile_layers: Any,
+    tensor_parallel_size: Any,
+    timeout: Any,
+    moe_model: Any = None,
+) -> None:
+    """The checks of ``ExpertParallelStrategy.__init__``'s arguments that need nothing else."""
+    if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
+        raise ValueError(
+            f"ExpertParallelStrategy(degree={degree!r}): pass an int >= 1 that divides the world size and "
+            "the expert count, or 'auto'."
+        )
+    if isinstance(replicate_degree, bool) or not isinstance(replicate_degree, int) or replicate_degree < 1:
+        raise ValueError(f"ExpertParallelStrategy(replicate_degree={replicate_degree!r}): pass an int >= 1.")
+    if tensor_parallel_size != 1:
+        raise ValueError(
+            f"ExpertParallelStrategy(tensor_parallel_size={tensor_parallel_size!r}): tensor parallelism "
+            "cannot be combined with expert parallelism here; use tensor_parallel_size=1 and spread the "
+            "experts with `degree` instead."
+        )
+    if moe is not None and not isinstance(moe, MoEConfig):
+        raise TypeError(f"ExpertParallelStrategy(moe=...) must be a MoEConfig, got {type(moe).__name__}.")
+    if moe is not None and not moe.smp_moe and degree not in (1, "auto"):
+        raise ValueError(
+            f"ExpertParallelStrategy(degree={degree!r}) with MoEConfig(smp_moe=False): the model keeps its "
+            "own MoE blocks, which cannot be split across ranks; use degree=1 or smp_moe=True."
+        )
+    check_activation_checkpointing(activation_checkpointing, moe if moe is not None else MoEConfig())
+    if not isinstance(compile_layers, bool):
+        raise TypeError(f"ExpertParallelStrategy(compile_layers={compile_layers!r}): pass True or False.")
+    check_timeout(timeout)
+    if moe_model is not None and not isinstance(moe_model, str):
+        raise TypeError(
+            f"ExpertParallelStrategy(moe_model={moe_model!r}): pass the attribute path of the Hugging Face model "
+            "inside the LightningModule as a str (e.g. 'model' or 'policy'), or None."
+        )
+
+
+def check_activation_checkpointing(value: Any, moe: MoEConfig) -> None:
+    """``activation_checkpointing`` is a bool or ``"keep_all_to_all"``, and fits ``moe``."""
+    if not (isinstance(value, bool) or value == "keep_all_to_all"):
+        raise ValueError(
+            f"ExpertParallelStrategy(activation_checkpointing={value!r}): pass True, False or 'keep_all_to_all'."
+        )
+    if value and moe.cuda_graphs:
+        raise ValueError(
+            f"ExpertParallelStrategy(activation_checkpointing={value!r}) recomputes each decoder layer, which "
+            "MoEConfig.cuda_graphs=True cannot replay (a graph keeps one forward's activations); drop one of them."
+        )
+    nccl_a2a = moe.moe_all_to_all_dispatcher and moe.capacity_factor is None and not moe.symmetric_memory_dispatch
+    if value == "keep_all_to_all" and not nccl_a2a:
+        raise ValueError(
+            "ExpertParallelStrategy(activation_checkpointing='keep_all_to_all') keeps the all-to-all dispatcher's "
+            f"exchanges, but MoEConfig has moe_all_to_all_dispatcher={moe.moe_all_to_all_dispatcher}, capacity_factor="
+            f"{moe.capacity_factor}, symmetric_memory_dispatch={moe.symmetric_memory_dispatch}; use the dropless "
+            "all-to-all dispatcher (True, None, False) or activation_checkpointing=True."
+        )
+
+
+def check_timeout(value: Any) -> None:
+    """``timeout`` is a ``datetime.timedelta`` or ``None`` (a number would fail only when the process
+    group starts, after the processes were launched)."""
+    if value is not None and not isinstance(value, timedelta):
+        example = f"timedelta(seconds={value})" if isinstance(value, (int, float)) else "timedelta(minutes=30)"
+        raise TypeError(
+            f"ExpertParallelStrategy(timeout={value!r}): pass a datetime.timedelta, e.g. {example}, or None for "
+            "torch's default."
+        )
+
+
+def check_precision(precision: str) -> None:
+    """The Trainer's ``precision`` is one this strategy supports."""
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(
+            f"ExpertParallelStrategy does not support precision={precision!r}; choose one of "
+            f"{list(SUPPORTED_PRECISION)} (bf16 gives the speed of half precision without loss scaling)."
+        )
+
+
+def check_devices(degree: int, replicate_degree: int, *, devices: int, num_nodes: int) -> None:
+    """``degree`` and ``replicate_degree`` fit the world of ``devices x num_nodes`` ranks."""
+    try:
+        check_layout(devices * num_nodes, degree, replicate_degree)
+    except ValueError as error:
+        raise ValueError(
+            f"ExpertParallelStrategy(degree={degree}, replicate_degree={replicate_degree}) with "
+            f"Trainer(devices={devices}, num_nodes={num_nodes}): {error}"
+        ) from None
