@@ -17,6 +17,7 @@ from lightning_ep.moe import (
     dispatch_symm,
     experts,
     grouped_mlp,
+    router,
     swiglu,
     symm_pull,
 )
@@ -40,6 +41,7 @@ VARIANTS = (
     "reference",
     "serial-shared",
     "padded-rows",
+    "torch-sinkhorn",
 )
 
 _SWIGLU, _SWIGLU_BACKWARD = swiglu.swiglu, swiglu.swiglu_backward
@@ -117,7 +119,9 @@ def variant(name: str) -> Iterator[None]:
       ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it);
     - ``padded-rows``: a static plan's padding rows copied into the symmetric buffer and run
       through the SwiGLU kernels like the received ones, and rows pulled in blocks of 1024
-      elements (the symmetric-memory dispatch before Session 10).
+      elements (the symmetric-memory dispatch before Session 10);
+    - ``torch-sinkhorn``: Sinkhorn's iterations in torch (about a dozen launches each), not the fused
+      kernels (one launch in all, ``lightning_ep.moe.sinkhorn``).
     """
     patches: dict[str, Any] = {}
     if name in ("unfused-swiglu", "reference"):
@@ -151,8 +155,11 @@ def variant(name: str) -> Iterator[None]:
             "copy_live_rows": _copy_every_row,
             "MOVE_BLOCK_H": 1024,
         }
+    if name == "torch-sinkhorn":
+        patches |= {"fused_sinkhorn_available": lambda logits: False}
     modules = (
         combine,
+        router,
         dispatch,
         dispatch_ep,
         dispatch_symm,

@@ -31,7 +31,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   ``ep:symm`` row makes the dispatch static and free of host syncs, and ``+graph`` (with ``+budget``)
   replays each MoE layer's dispatch, experts and combine as CUDA graphs (``MoEConfig(cuda_graphs=True)``;
   captured in the third warm-up step); ``+adamw`` steps with ``lightning_ep.optim.AdamW`` (torch's fused
-  AdamW bit for bit, one Triton kernel per large tensor) whatever ``--optimizer`` says; ``@reference`` (or another of
+  AdamW bit for bit, one Triton kernel per large tensor) whatever ``--optimizer`` says; ``+none``, ``+aux_loss``,
+  ``+sinkhorn`` and ``+balanced`` set the row's balancing mode instead of ``--balancing``; ``@reference`` (or another of
   ``_variants.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
@@ -332,8 +333,9 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
     if base.startswith("ep:"):
         from lightning_ep import ExpertParallelStrategy, MoEConfig
 
+        balancing = next((o for o in options if o in ("none", "aux_loss", "sinkhorn", "balanced")), args.balancing)
         moe = MoEConfig(
-            moe_load_balancing=args.balancing,  # type: ignore[arg-type]
+            moe_load_balancing=balancing,  # type: ignore[arg-type]
             moe_all_to_all_dispatcher=base in ("ep:a2a", "ep:symm"),
             symmetric_memory_dispatch=base == "ep:symm",
             token_dedup="dedup" in options,

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ep.moe.config import LoadBalancing
+from lightning_ep.moe.sinkhorn import fused_sinkhorn_available, sinkhorn_log_fused
 
 Scoring = Literal["softmax", "sigmoid", "topk_softmax"]
 SCORINGS: tuple[str, ...] = get_args(Scoring)
@@ -75,7 +76,8 @@ def sinkhorn_log(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor
     """Log of the Sinkhorn-balanced version of ``softmax``-like scores ``exp(logits)``.
 
     Alternately rescales rows to sum to 1 and columns to sum to ``T / E``, in the log domain so
-    large logits cannot overflow. A fixed iteration count keeps it free of host syncs.
+    large logits cannot overflow. A fixed iteration count keeps it free of host syncs. On CUDA in fp32
+    (without ``valid_T``) it runs as one Triton kernel launch (``lightning_ep.moe.sinkhorn``).
 
     Args:
         logits_TE: float ``[T, E]``.
@@ -90,6 +92,8 @@ def sinkhorn_log(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor
     num_tokens, num_experts = logits_TE.shape
     if num_tokens == 0:
         return logits_TE
+    if valid_T is None and fused_sinkhorn_available(logits_TE):
+        return sinkhorn_log_fused(logits_TE, iterations)  # one launch on CUDA
     if valid_T is None:
         log_col_target: torch.Tensor | float = math.log(num_tokens / num_experts)
     else:
@@ -228,14 +232,16 @@ class TopKRouter(nn.Module):
         return self
 
     def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
-        """Route ``x_TH`` (any float dtype); everything inside runs in the router dtype.
+        """Route ``x_TH`` (any float dtype); everything inside runs in the router dtype, under autocast too.
 
         ``valid_T`` (bool ``[T]``, ``False`` at padded positions) keeps padded rows out of the
         Sinkhorn normalisation; their choices are whatever their scores give (the caller drops them).
         """
         dtype = self.router_dtype
         bias = None if self.bias is None else self.bias.to(dtype)
-        logits_TE = F.linear(x_TH.to(dtype), self.weight.to(dtype), bias)
+        # Autocast (Lightning's "bf16-mixed") would run this product in bf16 whatever the inputs.
+        with torch.autocast(x_TH.device.type, enabled=False):
+            logits_TE = F.linear(x_TH.to(dtype), self.weight.to(dtype), bias)
         # scores_TE: what selection ranks and the combine weights are taken from.
         if self.scoring == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)

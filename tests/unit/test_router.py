@@ -102,6 +102,21 @@ def test_bf16_weight_is_upcast_too():
     assert torch.allclose(routing.logits_TE, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["none", "sinkhorn", "balanced"])
+def test_autocast_leaves_the_routing_in_fp32(mode):
+    """Lightning's "bf16-mixed" runs the model under autocast, which would take the gate's product
+    to bf16: the router's logits, scores, choices and weights must be those computed without it."""
+    router = _router(mode)
+    x = _x()
+    expected = router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routing = router(x)
+    assert routing.logits_TE.dtype == routing.weights_TK.dtype == torch.float32
+    assert torch.equal(routing.logits_TE, expected.logits_TE)
+    assert torch.equal(routing.expert_ids_TK, expected.expert_ids_TK)
+    assert torch.equal(routing.weights_TK, expected.weights_TK)
+
+
 def test_float64_router_dtype():
     router = _router("none", router_dtype=torch.float64)
     x = _x()

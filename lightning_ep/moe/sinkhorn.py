@@ -1,0 +1,161 @@
+"""Sinkhorn balancing of router logits as one Triton kernel launch (CUDA, fp32).
+
+Legend: T tokens, E experts, B row blocks of ``BLOCK_T`` tokens, G programs.
+
+``router.sinkhorn_log`` in torch launches about a dozen small kernels per iteration (two
+log-sum-exps with their maxima, sums, exponentials and logarithms), some 360 launches for the default
+30 iterations of every MoE layer's forward, which on a fine-grained model costs more host time than
+the layer's grouped GEMMs. Here the whole of it is one cooperative launch of ``G <= B`` programs,
+all resident on the GPU at once (the driver guarantees it or refuses the launch), each owning the row
+blocks ``g, g + G, ...``. Every iteration:
+
+1. each program combines the column partials ``(max, sum of exp)`` that every block wrote in the
+   previous iteration into the column scaling ``log v_E = log(T / E) - logsumexp_t(l + log u)``;
+2. for each of its blocks it rescales the rows, ``log u_t = -logsumexp_e(l_te + log v_e)``, and writes
+   the block's column partials of ``l + log u`` (two buffers, alternating by iteration);
+3. it waits at a grid barrier (an atomic counter) until every program has written its partials.
+
+A last pass combines the final partials and writes ``l + log u + log v``. The same log-domain
+arithmetic as the torch version, in another order: the results agree to fp32 rounding. The logits
+(``T x E`` fp32, 4 MiB at 8192 x 128) stay in L2 across iterations. The host launches once and reads
+nothing back.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any
+
+import torch
+
+from lightning_ep.moe.lazy_triton import lazy_kernels
+
+_BLOCK_ELEMENTS = 16384  # rows x experts of one row block
+_CHUNK = 16  # row blocks whose partials are combined at once
+
+
+def _build(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def sinkhorn(
+        logits, log_u, part_m, part_s, out, counter, T, E, num_blocks, log_target,
+        ITERATIONS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+        NUM_CHUNKS: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    ):  # fmt: skip
+        program, programs = tl.program_id(0), tl.num_programs(0)
+        offs_e = tl.arange(0, BLOCK_E)
+        mask_e = offs_e < E
+        part_size = num_blocks * E
+        log_v = tl.zeros((BLOCK_E,), tl.float32)
+        # Iterations 0 .. ITERATIONS - 1 rescale; the pass after them writes the result.
+        for it in range(ITERATIONS + 1):
+            if it > 0:
+                # log v_e from every block's (max, sum of exp) of column e, written last iteration.
+                # NUM_CHUNKS is a power of two (few compilations as T varies; a loop bound from a scalar
+                # argument fails in Triton's CPU interpreter).
+                read = ((it - 1) % 2) * part_size
+                run_m = tl.full((BLOCK_E,), float("-inf"), tl.float32)
+                run_s = tl.zeros((BLOCK_E,), tl.float32)
+                for chunk in range(NUM_CHUNKS):
+                    offs_b = chunk * CHUNK + tl.arange(0, CHUNK)
+                    part_mask = (offs_b[:, None] < num_blocks) & mask_e[None, :]
+                    part_index = read + offs_b[:, None] * E + offs_e[None, :]
+                    m = tl.load(part_m + part_index, mask=part_mask, other=float("-inf"), cache_modifier=".cg")
+                    s = tl.load(part_s + part_index, mask=part_mask, other=0.0, cache_modifier=".cg")
+                    new_m = tl.maximum(run_m, tl.max(m, axis=0))
+                    safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
+                    run_s = run_s * tl.exp(run_m - safe_m) + tl.sum(s * tl.exp(m - safe_m[None, :]), axis=0)
+                    run_m = new_m
+                log_v = log_target - (run_m + tl.log(run_s))
+            write = (it % 2) * part_size
+            for j in range(BLOCKS_PER_PROGRAM):
+                block = program + j * programs
+                offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+                mask_t = offs_t < T
+                mask = mask_t[:, None] & mask_e[None, :]
+                index = offs_t[:, None] * E + offs_e[None, :]
+                x = tl.load(logits + index, mask=mask, other=float("-inf"))
+                if it == ITERATIONS:
+                    u = tl.load(log_u + offs_t, mask=mask_t, other=0.0)
+                    tl.store(out + index, x + u[:, None] + log_v[None, :], mask=mask)
+                else:
+                    # Rows: log u_t = -logsumexp_e(l_te + log v_e).
+                    y = tl.where(mask, x + log_v[None, :], float("-inf"))
+                    row_m = tl.max(y, axis=1)
+                    safe_row = tl.where(mask_t, row_m, 0.0)
+                    u = -(safe_row + tl.log(tl.sum(tl.exp(y - safe_row[:, None]), axis=1)))
+                    tl.store(log_u + offs_t, u, mask=mask_t)
+                    # This block's column partials of l + log u.
+                    z = tl.where(mask, x + u[:, None], float("-inf"))
+                    col_m = tl.max(z, axis=0)
+                    safe_col = tl.where(col_m == float("-inf"), 0.0, col_m)
+                    col_s = tl.sum(tl.exp(z - safe_col[None, :]), axis=0)
+                    block_mask = mask_e & (block < num_blocks)
+                    tl.store(part_m + write + block * E + offs_e, col_m, mask=block_mask)
+                    tl.store(part_s + write + block * E + offs_e, col_s, mask=block_mask)
+            if it < ITERATIONS:
+                # Grid barrier: every program's partials are written before any program reads them.
+                tl.debug_barrier()
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
+                target = (it + 1) * programs
+                while arrived < target:
+                    arrived = tl.atomic_add(counter, 0, sem="acq_rel", scope="gpu")
+                tl.debug_barrier()
+
+    return types.SimpleNamespace(sinkhorn=sinkhorn)
+
+
+_triton = lazy_kernels(_build)
+
+
+def fused_sinkhorn_available(logits_TE: torch.Tensor) -> bool:
+    """Whether the Triton kernels run for ``logits_TE``: fp32 on CUDA, Triton importable, and not
+    being traced by ``torch.compile`` (which fuses the torch version's iterations itself)."""
+    return (
+        logits_TE.is_cuda
+        and logits_TE.dtype == torch.float32
+        and not torch.compiler.is_compiling()
+        and _triton() is not None
+    )
+
+
+@torch.no_grad()
+def sinkhorn_log_fused(logits_TE: torch.Tensor, iterations: int, *, programs: int | None = None) -> torch.Tensor:
+    """``router.sinkhorn_log(logits_TE, iterations)`` (no padding mask) in one kernel launch.
+
+    Args:
+        logits_TE: fp32 ``[T, E]`` on CUDA (or on CPU under Triton's interpreter), ``T >= 1``.
+        iterations: row + column rescalings, at least 1.
+        programs: how many programs share the row blocks (default: one per block, at most one per
+            streaming multiprocessor); under Triton's CPU interpreter, which runs programs one after
+            another, it must be 1.
+    Returns:
+        ``[T, E]`` fp32 log-scores (a new tensor; no gradient).
+    """
+    kernels = _triton()
+    logits_TE = logits_TE.detach().contiguous()
+    num_tokens, num_experts = logits_TE.shape
+    block_e = triton_next_power_of_2(num_experts)
+    block_t = max(1, min(triton_next_power_of_2(num_tokens), _BLOCK_ELEMENTS // block_e))
+    blocks = -(-num_tokens // block_t)
+    device = logits_TE.device
+    if programs is None:
+        programs = min(blocks, torch.cuda.get_device_properties(device).multi_processor_count)
+    log_u = torch.empty(num_tokens, dtype=torch.float32, device=device)
+    partials = torch.empty((2, 2, blocks, num_experts), dtype=torch.float32, device=device)  # [(max, sum), buffer]
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    out = torch.empty_like(logits_TE)
+    kernels.sinkhorn[(programs,)](
+        logits_TE, log_u, partials[0], partials[1], out, counter, num_tokens, num_experts, blocks,
+        math.log(num_tokens / num_experts),
+        ITERATIONS=iterations, BLOCK_T=block_t, BLOCK_E=block_e, CHUNK=_CHUNK,
+        NUM_CHUNKS=triton_next_power_of_2(-(-blocks // _CHUNK)),
+        BLOCKS_PER_PROGRAM=triton_next_power_of_2(-(-blocks // programs)),
+        num_warps=8, launch_cooperative_grid=True,
+    )  # fmt: skip
+    return out
+
+
+def triton_next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (``triton.next_power_of_2``, without importing Triton)."""
+    return 1 << max(0, (n - 1).bit_length())

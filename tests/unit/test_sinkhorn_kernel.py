@@ -1,0 +1,36 @@
+"""The fused Sinkhorn kernels (``lightning_ep.moe.sinkhorn``) against the torch version of
+``router.sinkhorn_log``, run by Triton's CPU interpreter (a fresh interpreter: the flag is read at
+import). The CUDA twin is ``tests/gpu/test_sinkhorn_cuda.py``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+_CHECK = """
+import torch
+from lightning_ep.moe import router, sinkhorn
+
+# (T, E, iterations): one block, several blocks, experts not a power of two, more blocks than a chunk.
+for T, E, iterations in [(1, 4, 1), (7, 8, 3), (100, 128, 30), (300, 60, 5), (5000, 128, 2)]:
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)) * 4
+    ref = router.sinkhorn_log(logits, iterations)  # the torch version (a CPU tensor)
+    got = sinkhorn.sinkhorn_log_fused(logits, iterations, programs=1)  # the interpreter runs programs in turn
+    err = (got - ref).abs().max().item()
+    assert err < 2e-5, (T, E, iterations, err)
+    k = min(2, E)
+    assert torch.equal(torch.topk(got, k).indices, torch.topk(ref, k).indices), (T, E, iterations)
+    # Columns sum to T / E, rows to about 1, as the torch version's.
+    assert torch.allclose(got.exp().sum(0), torch.full((E,), T / E), rtol=1e-4), (T, E)
+print("ok")
+"""
+
+
+def test_fused_sinkhorn_equals_torch_in_the_triton_interpreter() -> None:
+    pytest.importorskip("triton", reason="Triton is not installed (the kernels run on CUDA only)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
