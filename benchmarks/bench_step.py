@@ -14,26 +14,25 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   ``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=W)``, ``AdamW(foreach=False)``
   (``foreach=True`` fails on its mixed Tensor/DTensor parameters).
 - ``ep:a2a`` / ``ep:allgather``: ``lightning_ep.ExpertParallelStrategy(degree=W)`` with the
-  all-to-all or all-gather dispatcher (degree 1 when run on one GPU); ``ep:symm`` the dropless
-  exchange pulled through CUDA symmetric memory (``MoEConfig(symmetric_memory_dispatch=True)``).
-  ``+prefetch`` appended to a row sets FSDP2 forward/backward prefetch of the next decoder layer
-  explicitly, ``+ac`` checkpoints every decoder layer (``activation_checkpointing=True``),
-  ``+ac_keep`` does so keeping the MoE layers' exchanges (``"keep_all_to_all"``), ``+compile``
-  compiles the dense parts of each decoder layer, the routing of its MoE layer and the loss
-  (``compile_layers=True``; on a baseline row the same ``compile_blocks``, its MoE block included,
-  and ``compile_loss``), ``+compile_dense`` the dense parts only, ``+zero2`` keeps gathered
-  parameters from forward to backward (``reshard_after_forward=False``), ``+monitor`` adds
-  ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); options combine
-  (``ep:a2a+compile+zero2``); ``+manualgc`` turns Python's garbage collector off during the fit and
-  collects the young generations every 5 steps instead; ``+dedup`` sends each token once per rank
-  (``MoEConfig(token_dedup=True)``, all-to-all rows only); ``+budget`` sets
-  ``MoEConfig(max_tokens_per_rank=ceil(--row-budget x batch x seq x top_k))``, which on an
-  ``ep:symm`` row makes the dispatch static and free of host syncs, and ``+graph`` (with ``+budget``)
-  replays each MoE layer's dispatch, experts and combine as CUDA graphs (``MoEConfig(cuda_graphs=True)``;
-  captured in the third warm-up step); ``+adamw`` steps with ``lightning_ep.optim.AdamW`` (torch's fused
-  AdamW bit for bit, one Triton kernel per large tensor) whatever ``--optimizer`` says; ``+none``, ``+aux_loss``,
-  ``+sinkhorn`` and ``+balanced`` set the row's balancing mode instead of ``--balancing``; ``@reference`` (or another of
-  ``_variants.VARIANTS``) runs it on the replaced hot-path code.
+  all-to-all or all-gather dispatcher (degree 1 when run on one GPU) and ``Execution()``: the
+  automatic choices a user gets with no flag (printed in the row's setup table); ``ep:symm`` the
+  dropless exchange pulled through CUDA symmetric memory (``Execution(exchange="symmetric_memory")``).
+  Options appended to a row (they combine: ``ep:a2a+compile+zero2``): ``+eager`` forces every
+  execution choice off (no compile, CUDA graphs or fused AdamW kernels); ``+compile``,
+  ``+graph``, ``+dedup`` force ``Execution(compile=True)``, ``cuda_graphs=True``,
+  ``token_dedup=True`` (on a baseline row ``+compile`` applies ``compile_blocks`` to every decoder
+  layer, its MoE block included, and ``compile_loss``; ``+compile_dense`` the dense parts only);
+  ``+budget`` (``ep:symm``) sets ``Execution(row_budget=ceil(--row-budget x batch x seq x top_k))``,
+  a static plan free of host syncs; ``+adamw`` steps with ``lightning_ep.optim.AdamW`` whatever
+  ``--optimizer`` says; ``+prefetch`` sets FSDP2 forward/backward prefetch of the next decoder layer
+  explicitly; ``+ac`` checkpoints every decoder layer (``activation_checkpointing=True``),
+  ``+ac_keep`` keeping the MoE layers' exchanges (``"keep_all_to_all"``); ``+zero2`` keeps gathered
+  parameters from forward to backward (``reshard_after_forward=False``); ``+monitor`` adds
+  ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); ``+manualgc`` turns
+  Python's garbage collector off during the fit and collects the young generations every 5 steps;
+  ``+none``, ``+aux_loss``, ``+sinkhorn`` and ``+balanced`` set the row's balancing mode instead of
+  ``--balancing``; ``@reference`` (or another of ``_variants.VARIANTS``) runs it on the replaced
+  hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
 ``W`` GPUs). Reported per GPU: tokens/s, model TFLOP/s (``_common.model_flops_per_token``),
@@ -319,6 +318,27 @@ def row_budget(args: Any, shape: Shape) -> int:
     return -(-int(rows) // 128) * 128
 
 
+def execution_of(base: str, options: list[str], args: Any, shape: Shape) -> Any:
+    """The row's ``lightning_ep.Execution``: automatic (the defaults a user gets) unless an option forces
+    a choice; ``+eager`` forces every choice off (no compile, graphs or fused AdamW kernels)."""
+    from lightning_ep import Execution
+
+    forced: dict[str, Any] = {}
+    if "eager" in options:
+        forced |= {"compile": False, "cuda_graphs": False, "fused_adamw": False}
+    if "compile" in options:
+        forced["compile"] = True
+    if "graph" in options:
+        forced["cuda_graphs"] = True
+    if "dedup" in options:
+        forced["token_dedup"] = True
+    if base == "ep:symm":
+        forced["exchange"] = "symmetric_memory"
+        if "budget" in options:
+            forced["row_budget"] = row_budget(args, shape)
+    return Execution(**forced)
+
+
 def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained: str | None) -> dict:
     from lightning.pytorch import Trainer, seed_everything
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -337,17 +357,13 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         moe = MoEConfig(
             moe_load_balancing=balancing,  # type: ignore[arg-type]
             moe_all_to_all_dispatcher=base in ("ep:a2a", "ep:symm"),
-            symmetric_memory_dispatch=base == "ep:symm",
-            token_dedup="dedup" in options,
-            max_tokens_per_rank=row_budget(args, shape) if "budget" in options else None,
-            cuda_graphs="graph" in options,
         )
         checkpointing: bool | str = "keep_all_to_all" if "ac_keep" in options else "ac" in options
         strategy: Any = ExpertParallelStrategy(
             degree=world(),
             moe=moe,
             reshard_after_forward="zero2" not in options,
-            compile_layers="compile" in options,
+            execution=execution_of(base, options, args, shape),
             activation_checkpointing=checkpointing,  # type: ignore[arg-type]
         )
     elif base == "hf_ep":

@@ -9,6 +9,7 @@ registry is loaded.
 from typing import Any
 
 from lightning_ep._register import register_when_lightning_loads
+from lightning_ep.execution import Execution
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.fsdp import shard_model
@@ -17,6 +18,7 @@ from lightning_ep.parallel.mesh import init_mesh
 from lightning_ep.transform import moe_layers, transform
 
 __all__ = [
+    "Execution",
     "ExpertParallelStrategy",
     "MoEConfig",
     "MoELayer",

@@ -69,6 +69,8 @@ class AdamW(torch.optim.AdamW):
     updated through their local shards when gradient and parameter share one placement.
     """
 
+    DEFAULT_MIN_KERNEL_NUMEL = 1 << 20
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -78,7 +80,7 @@ class AdamW(torch.optim.AdamW):
         weight_decay: float = 1e-2,
         *,
         maximize: bool = False,
-        min_kernel_numel: int = 1 << 20,
+        min_kernel_numel: int = DEFAULT_MIN_KERNEL_NUMEL,
     ) -> None:
         if not isinstance(min_kernel_numel, int) or isinstance(min_kernel_numel, bool) or min_kernel_numel < 1:
             raise ValueError(

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
@@ -27,6 +27,13 @@ from typing_extensions import override
 
 from lightning_ep import checkpoints
 from lightning_ep.config_errors import shown_once
+from lightning_ep.execution import Execution, Resolved
+from lightning_ep.execution_setup import (
+    layers_config,
+    resolve_for,
+    step_fused_adamw_with_kernels,
+    with_compile_layers,
+)
 from lightning_ep.model_selection import num_experts, select
 from lightning_ep.models.init import materialize_if_meta
 from lightning_ep.moe.config import MoEConfig
@@ -73,13 +80,14 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             only; ``M x H + N x H`` more elements per layer held until its backward).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3); ``False`` keeps them
             until backward (ZeRO-2: more memory, fewer all-gathers).
-        compile_layers: ``torch.compile`` the dense parts of each decoder layer (attention, norms,
-            a dense MLP fuse into a few kernels) and each MoE layer's router with its losses; the
-            rest of the MoE layers stays eager (see ``lightning_ep.parallel.compile``; with
-            ``MoEConfig(smp_moe=False)`` the model's own MoE blocks are compiled whole). Fewer
-            launches for a host-bound step; the first step compiles (tens of seconds), and results
-            agree with eager to float rounding, not bitwise. Also sets the model's
-            ``config.use_cache = False`` (no KV cache in training).
+        execution: how the step runs, never what it computes (``lightning_ep.Execution``): compiled
+            dense parts, CUDA graphs, the token exchange, fused AdamW. Every choice is automatic by
+            default and printed once at setup on rank 0 in a short table; force one there.
+        compile_layers: deprecated, ``execution=Execution(compile=...)``: ``torch.compile`` the dense
+            parts of each decoder layer, each MoE layer's routing and the loss (see
+            ``lightning_ep.parallel.compile``; with ``MoEConfig(smp_moe=False)`` the model's own MoE
+            blocks are compiled whole). Results agree with eager to float rounding, not bitwise; the
+            model's ``config.use_cache`` is set to ``False`` (no KV cache in training).
         save_distributed_checkpoint: ``True`` saves one shard per rank (resumable at any degree);
             ``False`` gathers a single full checkpoint on rank 0. Either records ``moe`` and the MoE
             shape (experts, top-k, MoE layers, model type; see ``lightning_ep.checkpoints``).
@@ -120,7 +128,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         moe: MoEConfig | None = None,
         activation_checkpointing: bool | Literal["keep_all_to_all"] = False,
         reshard_after_forward: bool = True,
-        compile_layers: bool = False,
+        execution: Execution | None = None,
+        compile_layers: bool | None = None,
         save_distributed_checkpoint: bool = True,
         allow_moe_config_change: str | Sequence[str] = (),
         log_moe_losses: bool = True,
@@ -147,6 +156,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 moe=moe,
                 activation_checkpointing=activation_checkpointing,
                 compile_layers=compile_layers,
+                execution=execution,
                 tensor_parallel_size=tensor_parallel_size,
                 timeout=timeout,
                 moe_model=moe_model,
@@ -160,7 +170,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.allow_moe_config_change = allowed
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
-        self.compile_layers = compile_layers
+        self.execution = with_compile_layers(execution if execution is not None else Execution(), compile_layers)
+        self.resolved: Resolved | None = None  # set at setup
         self.log_moe_losses = log_moe_losses
         self.check_finite = check_finite
         self.deterministic = deterministic
@@ -240,6 +251,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             degree = self._auto_degree(num_experts(selection.model)) if self._degree == "auto" else None
         if degree is not None:
             self._build_mesh(degree)
+        with shown_once(self.global_rank):
+            self.resolved = resolve_for(self, selection.model)
+        rank_zero_info(self.resolved.table())
         self._parallelize(selection.model)
         shard_dense_modules(
             list(selection.extras.values()),
@@ -256,6 +270,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.resolved is not None and self.resolved.fused_adamw:
+                step_fused_adamw_with_kernels(self.optimizers)
             self._bias_hooks = update_biases_after_each_step(self.optimizers, selection.model)
         self.setup_precision_plugin()
         use_mesh_aware_clipping(self.precision_plugin)
@@ -292,14 +308,14 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.moe.smp_moe:
             with shown_once(self.global_rank):  # a degree that does not divide the expert count
-                transform(hf_model, self.moe, mesh=mesh)
+                transform(hf_model, layers_config(hf_model, self.resolved, self.moe), mesh=mesh)
             shard_model(hf_model, mesh, mp_policy=self._mp_policy(), reshard_after_forward=self.reshard_after_forward)
             blocks = decoder_blocks(hf_model)
         else:
             blocks = shard_named_blocks(
                 hf_model, mesh, mp_policy=self._mp_policy(), reshard_after_forward=self.reshard_after_forward
             )
-        if self.compile_layers:
+        if self.resolved is not None and self.resolved.compile:
             compile_for_training(hf_model, blocks)
 
     def _configure_moe_layers(self, trainer: pl.Trainer) -> None:

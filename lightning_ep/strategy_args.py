@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from lightning_ep.execution import Execution
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.parallel.mesh import check_layout
 
@@ -24,6 +25,7 @@ def check_arguments(
     activation_checkpointing: Any,
     compile_layers: Any,
     tensor_parallel_size: Any,
+    execution: Any = None,
     timeout: Any,
     moe_model: Any = None,
 ) -> None:
@@ -49,8 +51,12 @@ def check_arguments(
             "own MoE blocks, which cannot be split across ranks; use degree=1 or smp_moe=True."
         )
     check_activation_checkpointing(activation_checkpointing, moe if moe is not None else MoEConfig())
-    if not isinstance(compile_layers, bool):
+    if compile_layers is not None and not isinstance(compile_layers, bool):
         raise TypeError(f"ExpertParallelStrategy(compile_layers={compile_layers!r}): pass True or False.")
+    if execution is not None and not isinstance(execution, Execution):
+        raise TypeError(
+            f"ExpertParallelStrategy(execution=...) must be a lightning_ep.Execution, got {type(execution).__name__}."
+        )
     check_timeout(timeout)
     if moe_model is not None and not isinstance(moe_model, str):
         raise TypeError(

@@ -229,7 +229,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
         allow_moe_config_change=tuple(args.allow.split(",")) if args.allow else (),
         deterministic=args.deterministic,
         activation_checkpointing=args.activation_checkpointing,
-        compile_layers=args.compile,
+        execution=lightning_ep.Execution(compile=True) if args.compile else None,
         process_group_backend="gloo",
         timeout=timedelta(seconds=120),
         moe_model=args.moe_model,

@@ -1,0 +1,327 @@
+"""``Execution``: how the training step runs, never what it computes, chosen automatically.
+
+Every option is ``"auto"`` by default: ``resolve`` picks, from what the strategy can see (device
+type, Triton, nodes, degree, precision, activation checkpointing, the ``MoEConfig``), the fastest
+path that gives the same numbers, and leaves off what it cannot show to be safe there. ``True`` /
+``False`` (or a named exchange) force a choice for benchmarking and debugging; a forced choice that
+cannot apply is refused before any work starts. ``resolve`` is a pure function of the arguments, so
+the setup table it returns is tested for any environment on CPU.
+
+What each choice does:
+
+- ``compile``: ``torch.compile`` the dense parts of each decoder layer, the routing of each MoE
+  layer and the loss (``lightning_ep.parallel.compile``); Inductor's kernels, float sums reordered.
+- ``cuda_graphs``: replay each MoE layer's dispatch, experts and combine, forward and backward, as
+  CUDA graphs (``lightning_ep.moe.graphs``), the same bits. Needs a static plan and experts whose
+  weights stay in place (expert-parallel degree = world size), bf16 experts, no activation
+  checkpointing and a dropless dispatch.
+- ``exchange``: ``"collective"`` (the process group's all-to-all or all-gather: NCCL on GPUs, gloo
+  on CPU) or ``"symmetric_memory"`` (each GPU pulls its rows from the
+  others' memory over NVLink; one node only; the same bits).
+- ``token_dedup``: each token sent once per destination rank instead of once per expert (the same
+  math; fewer bytes when a token's experts share ranks, more gradient bytes in fp32).
+- ``row_budget``: the static size of every rank's received rows under the symmetric-memory exchange
+  (no host sync); ``None``: the dynamic plan (one host sync per layer).
+- ``fused_adamw``: a ``torch.optim.AdamW(fused=True)`` is stepped by ``lightning_ep.optim.AdamW``'s
+  kernels (torch's fused AdamW bit for bit, one launch per large tensor). A ``torch.optim.AdamW``
+  without ``fused=True`` is left alone: its foreach kernels round differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from lightning_ep.moe.config import MoEConfig
+
+Auto = Literal["auto"]
+Exchange = Literal["auto", "collective", "symmetric_memory"]
+EXCHANGES: tuple[str, ...] = get_args(Exchange)
+_SWITCHES = ("compile", "cuda_graphs", "token_dedup", "fused_adamw")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Execution:
+    """How the step runs (see the module docstring); ``"auto"`` everywhere by default.
+
+    Args:
+        compile: compile the dense parts, the routing and the loss. Auto: on CUDA with Triton.
+        cuda_graphs: replay MoE layers as CUDA graphs. Auto: on CUDA with Triton where the plan is
+            static without a row budget (one expert-parallel rank per world: degree = world size = 1),
+            bf16 precision, no activation checkpointing, a dropless dispatch.
+        exchange: how tokens cross ranks. Auto: ``"collective"``.
+        token_dedup: deduplicate the dropless all-to-all. Auto: off.
+        row_budget: static received rows per rank for ``exchange="symmetric_memory"``; ``None`` dynamic.
+        fused_adamw: step ``torch.optim.AdamW(fused=True)`` with this library's kernels. Auto: on CUDA
+            with Triton.
+    """
+
+    compile: bool | Auto = "auto"
+    cuda_graphs: bool | Auto = "auto"
+    exchange: Exchange = "auto"
+    token_dedup: bool | Auto = "auto"
+    row_budget: int | None = None
+    fused_adamw: bool | Auto = "auto"
+
+    def __post_init__(self) -> None:
+        for name in _SWITCHES:
+            value = getattr(self, name)
+            if value != "auto" and not isinstance(value, bool):
+                raise TypeError(f"Execution({name}={value!r}): pass 'auto', True or False.")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"Execution(exchange={self.exchange!r}) is not one of {list(EXCHANGES)}.")
+        budget = self.row_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(
+                f"Execution(row_budget={budget!r}): pass an int >= 1 (received rows per rank) or None (dynamic)."
+            )
+        if budget is not None and self.exchange != "symmetric_memory":
+            raise ValueError(
+                f"Execution(row_budget={budget}) sizes the static plan of the symmetric-memory exchange, but "
+                f"exchange={self.exchange!r}; set exchange='symmetric_memory', or row_budget=None."
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Environment:
+    """What the strategy sees at setup; ``resolve``'s only input besides the options."""
+
+    device_type: str  # "cuda" or "cpu"
+    triton: bool
+    num_nodes: int
+    devices_per_node: int
+    degree: int
+    replicate_degree: int = 1
+    precision: str = "32-true"
+    activation_checkpointing: bool | str = False
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    def describe(self) -> str:
+        nodes = f"{self.num_nodes} node{'s' if self.num_nodes > 1 else ''}"
+        device = "GPU" if self.device_type == "cuda" else "process"
+        count = f"{self.devices_per_node} {device}{'es' if device == 'process' and self.devices_per_node > 1 else ''}"
+        if device == "GPU" and self.devices_per_node > 1:
+            count += "s"
+        return f"{self.device_type}, {nodes} x {count}, degree {self.degree}, {self.precision}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One row of the setup table: the option, what is in force and why."""
+
+    name: str
+    value: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The choices in force, and the environment they were made for."""
+
+    compile: bool
+    cuda_graphs: bool
+    symmetric_memory: bool
+    token_dedup: bool
+    row_budget: int | None
+    fused_adamw: bool
+    environment: Environment
+    choices: tuple[Choice, ...] = field(default=())
+
+    def moe_config(self, moe: MoEConfig) -> MoEConfig:
+        """``moe`` with its execution fields set to these choices (what the layers are built with)."""
+        from dataclasses import replace
+
+        max_rows = self.row_budget if self.row_budget is not None else moe.max_tokens_per_rank
+        return replace(
+            moe,
+            token_dedup=self.token_dedup,
+            symmetric_memory_dispatch=self.symmetric_memory,
+            cuda_graphs=self.cuda_graphs,
+            max_tokens_per_rank=max_rows,
+        )
+
+    def table(self) -> str:
+        """The setup table printed once on rank 0: one line per choice."""
+        width = max(len(c.name) for c in self.choices)
+        value_width = max(len(c.value) for c in self.choices)
+        lines = [f"lightning_ep execution ({self.environment.describe()}):"]
+        lines += [f"  {c.name:<{width}}  {c.value:<{value_width}}  {c.reason}" for c in self.choices]
+        return "\n".join(lines)
+
+
+def forced_by_moe_config(moe: MoEConfig) -> dict[str, bool | str]:
+    """The execution choices a ``MoEConfig`` sets away from its defaults (its low-level fields, as
+    ``transform`` takes them), as ``Execution`` would name them."""
+    forced: dict[str, bool | str] = {}
+    if moe.token_dedup:
+        forced["token_dedup"] = True
+    if moe.symmetric_memory_dispatch:
+        forced["exchange"] = "symmetric_memory"
+    if moe.cuda_graphs:
+        forced["cuda_graphs"] = True
+    return forced
+
+
+def merge(execution: Execution, moe: MoEConfig) -> Execution:
+    """``execution`` with the choices forced through ``moe``'s execution fields; a contradiction between
+    the two is refused, naming both."""
+    from dataclasses import replace
+
+    updates: dict[str, object] = {}
+    for name, value in forced_by_moe_config(moe).items():
+        mine = getattr(execution, name)
+        if mine not in ("auto", value):
+            raise ValueError(
+                f"ExpertParallelStrategy: MoEConfig sets {_moe_field(name)}={_moe_value(name, value)!r} but "
+                f"Execution({name}={mine!r}); set it in one place (Execution), not both."
+            )
+        updates[name] = value
+    if moe.max_tokens_per_rank is not None and moe.symmetric_memory_dispatch and execution.row_budget is None:
+        updates["row_budget"] = moe.max_tokens_per_rank
+    return replace(execution, **updates) if updates else execution  # type: ignore[arg-type]
+
+
+def _moe_field(name: str) -> str:
+    return {"exchange": "symmetric_memory_dispatch"}.get(name, name)
+
+
+def _moe_value(name: str, value: object) -> object:
+    return True if name == "exchange" else value
+
+
+def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
+    """The choices in force for ``execution`` in ``env`` with ``moe``, and the table that says why.
+
+    Raises:
+        ValueError: a forced choice that cannot apply here, naming the option, its value and the fix.
+    """
+    cuda = env.device_type == "cuda"
+    fast = cuda and env.triton
+    no_kernels = "CPU" if not cuda else "no Triton"
+    dropless_a2a = moe.capacity_factor is None and moe.moe_all_to_all_dispatcher
+    rows: list[Choice] = []
+
+    # compile
+    if execution.compile == "auto":
+        compile_on = fast
+        reason = "auto: CUDA with Triton" if fast else f"auto: off on {no_kernels} (compiling costs more than it saves)"
+    else:
+        compile_on = execution.compile
+        reason = "forced"
+    rows.append(Choice("compile", _on(compile_on), reason))
+
+    # exchange
+    if env.degree == 1:
+        if execution.exchange == "symmetric_memory":
+            raise ValueError(
+                "Execution(exchange='symmetric_memory') exchanges tokens between expert-parallel ranks, but the "
+                "degree is 1 (every rank holds all experts); use exchange='auto', or a degree above 1."
+            )
+        symmetric = False
+        rows.append(Choice("exchange", "local", "degree 1: every rank holds all experts"))
+    else:
+        symmetric = execution.exchange == "symmetric_memory"
+        if symmetric:
+            _check_symmetric(env, moe)
+            rows.append(Choice("exchange", "symmetric_memory", "forced"))
+        else:
+            backend = "nccl" if cuda else "gloo"
+            what = "all-gather" if not moe.moe_all_to_all_dispatcher else "all-to-all"
+            if not dropless_a2a:
+                reason = f"MoEConfig's {what}" + (", with a capacity" if moe.capacity_factor is not None else "")
+            else:
+                reason = "forced" if execution.exchange == "collective" else "auto (symmetric_memory: force it)"
+            rows.append(Choice("exchange", f"{what} ({backend})", reason))
+
+    # row budget
+    budget = execution.row_budget
+    if symmetric:
+        rows.append(
+            Choice(
+                "row_budget",
+                "dynamic" if budget is None else str(budget),
+                "one host sync per layer" if budget is None else "forced: static plan, no host sync",
+            )
+        )
+
+    # token dedup
+    if execution.token_dedup is True:
+        if env.degree == 1 or not dropless_a2a or symmetric:
+            raise ValueError(
+                f"Execution(token_dedup=True) deduplicates the dropless NCCL all-to-all, but degree={env.degree}, "
+                f"capacity_factor={moe.capacity_factor}, moe_all_to_all_dispatcher={moe.moe_all_to_all_dispatcher}, "
+                f"exchange={'symmetric_memory' if symmetric else 'collective'}; use token_dedup='auto'."
+            )
+        dedup = True
+        rows.append(Choice("token_dedup", "on", "forced"))
+    else:
+        dedup = False
+        if env.degree > 1 and dropless_a2a and not symmetric:
+            forced = execution.token_dedup is False
+            rows.append(Choice("token_dedup", "off", "forced" if forced else "auto: faster only at large batches"))
+
+    # CUDA graphs
+    graphs_blocker = _graphs_blocker(env, moe, symmetric=symmetric, budget=budget)
+    if execution.cuda_graphs is True:
+        if graphs_blocker is not None:
+            raise ValueError(f"Execution(cuda_graphs=True) needs {graphs_blocker}; use cuda_graphs='auto'.")
+        graphs = True
+        rows.append(Choice("cuda_graphs", "on", "forced"))
+    elif execution.cuda_graphs is False:
+        graphs = False
+        rows.append(Choice("cuda_graphs", "off", "forced"))
+    else:
+        if graphs_blocker is None and symmetric:
+            graphs_blocker = "a forced choice (symmetric-memory static plans are captured only when forced)"
+        graphs = graphs_blocker is None
+        rows.append(Choice("cuda_graphs", _on(graphs), "auto" if graphs else f"auto: off, needs {graphs_blocker}"))
+
+    # optimizer
+    if execution.fused_adamw is True and not fast:
+        raise ValueError(f"Execution(fused_adamw=True) needs CUDA with Triton ({no_kernels} here); use 'auto'.")
+    fused_adamw = fast if execution.fused_adamw == "auto" else execution.fused_adamw
+    reason = "torch.optim.AdamW(fused=True) stepped by lightning_ep.optim.AdamW (same bits)"
+    if execution.fused_adamw == "auto" and not fast:
+        reason = f"auto: off on {no_kernels}"
+    rows.append(Choice("fused_adamw", _on(fused_adamw), reason))
+
+    return Resolved(compile_on, graphs, symmetric, dedup, budget, fused_adamw, env, tuple(rows))
+
+
+def _on(value: bool) -> str:
+    return "on" if value else "off"
+
+
+def _check_symmetric(env: Environment, moe: MoEConfig) -> None:
+    problems = []
+    if env.device_type != "cuda" or not env.triton:
+        problems.append("CUDA with Triton")
+    if moe.capacity_factor is not None or not moe.moe_all_to_all_dispatcher:
+        problems.append("the dropless all-to-all (capacity_factor=None, moe_all_to_all_dispatcher=True)")
+    if env.degree > env.devices_per_node:
+        per_node = env.devices_per_node
+        problems.append(f"every expert-parallel group on one node (degree {env.degree} > {per_node} per node)")
+    if problems:
+        raise ValueError(
+            "Execution(exchange='symmetric_memory') needs " + " and ".join(problems) + "; use exchange='auto'."
+        )
+
+
+def _graphs_blocker(env: Environment, moe: MoEConfig, *, symmetric: bool, budget: int | None) -> str | None:
+    """What keeps CUDA graphs from applying, in words, or ``None``."""
+    if env.device_type != "cuda" or not env.triton:
+        return "CUDA with Triton"
+    if env.precision not in ("bf16-mixed", "bf16-true"):
+        return f"bf16 experts (precision is {env.precision})"
+    if env.activation_checkpointing:
+        return "no activation checkpointing"
+    if moe.capacity_factor is not None:
+        return "a dropless dispatch (capacity_factor is set)"
+    if env.degree != env.world_size:
+        return f"expert weights that stay in place (degree {env.degree} = world size {env.world_size})"
+    if env.degree > 1 and not (symmetric and budget is not None):
+        return "a static plan above degree 1 (exchange='symmetric_memory' with a row_budget)"
+    return None

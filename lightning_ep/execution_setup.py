@@ -1,0 +1,95 @@
+"""``ExpertParallelStrategy``'s side of ``lightning_ep.execution``: what the strategy sees, the
+config its layers are built with, and the fused AdamW swap."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lightning_ep.execution import Environment, Execution, Resolved, merge, resolve
+from lightning_ep.moe.config import MoEConfig
+from lightning_ep.transform import moe_layers
+
+if TYPE_CHECKING:
+    from lightning_ep.strategy import ExpertParallelStrategy
+
+
+def with_compile_layers(execution: Execution, compile_layers: bool | None) -> Execution:
+    """``execution`` with the deprecated ``compile_layers`` argument folded in (``None``: not given)."""
+    if compile_layers is None:
+        return execution
+    warnings.warn(
+        "ExpertParallelStrategy(compile_layers=...) is deprecated; pass execution=lightning_ep.Execution("
+        f"compile={compile_layers}) (or leave it out: compile='auto' compiles on CUDA).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if execution.compile not in ("auto", compile_layers):
+        raise ValueError(
+            f"ExpertParallelStrategy(compile_layers={compile_layers}) contradicts Execution(compile="
+            f"{execution.compile}); set it in one place (Execution)."
+        )
+    return replace(execution, compile=compile_layers)
+
+
+def environment(strategy: ExpertParallelStrategy) -> Environment:
+    """What ``strategy`` runs on, once its mesh is built."""
+    degree = strategy.degree
+    assert isinstance(degree, int)
+    return Environment(
+        device_type=strategy.root_device.type,
+        triton=importlib.util.find_spec("triton") is not None,
+        num_nodes=strategy.num_nodes,
+        devices_per_node=strategy.num_processes,
+        degree=degree,
+        replicate_degree=strategy.replicate_degree,
+        precision=str(strategy.precision_plugin.precision),
+        activation_checkpointing=strategy.activation_checkpointing,
+    )
+
+
+def resolve_for(strategy: ExpertParallelStrategy, hf_model: nn.Module) -> Resolved:
+    """The execution choices for ``strategy`` and its model; for a model transformed before the
+    strategy saw it, the MoE layers' choices are those they were built with."""
+    built = [layer.config for layer in moe_layers(hf_model)]
+    moe = built[0] if built else strategy.moe
+    return resolve(merge(strategy.execution, moe), environment(strategy), moe)
+
+
+def layers_config(hf_model: nn.Module, resolved: Resolved | None, moe: MoEConfig) -> MoEConfig:
+    """The config the strategy transforms ``hf_model`` with: the one in force if it was transformed
+    already (``transform`` refuses any other), else ``moe`` with the resolved execution fields."""
+    built = [layer.config for layer in moe_layers(hf_model)]
+    if built:
+        return built[0]
+    return resolved.moe_config(moe) if resolved is not None else moe
+
+
+def step_fused_adamw_with_kernels(optimizers: list[Any]) -> int:
+    """Let every ``torch.optim.AdamW(fused=True)`` in ``optimizers`` step with
+    ``lightning_ep.optim.AdamW``'s kernels (torch's fused AdamW bit for bit; the object, its groups,
+    state and schedulers are kept). Others, and groups that class does not take, are left alone.
+
+    Returns:
+        How many optimizers now step with the kernels.
+    """
+    from lightning_ep.optim import AdamW, _check_group
+
+    swapped = 0
+    for optimizer in optimizers:
+        if type(optimizer) is not torch.optim.AdamW:
+            continue
+        try:
+            for group in optimizer.param_groups:
+                _check_group(group)
+        except (TypeError, ValueError):  # not fused, a Tensor lr, amsgrad, ...: torch's own step stays
+            continue
+        optimizer.__class__ = AdamW
+        optimizer.min_kernel_numel = AdamW.DEFAULT_MIN_KERNEL_NUMEL  # type: ignore[attr-defined]
+        swapped += 1
+    return swapped

@@ -1,0 +1,80 @@
+"""The automatic execution choices on one GPU, in real Trainer runs: what ``Execution()`` picks there
+(CUDA graphs, the fused AdamW kernels, compile) gives the numbers of the path with every choice
+off: bit for bit for graphs and AdamW (both are exact), to bf16 rounding with compile (Inductor
+reorders float sums). The pure choices are tested on CPU in ``tests/unit/test_execution.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import tiny_mixtral_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+STEPS = 5
+
+
+def _fit(execution: Any, balancing: str) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+    import lightning.pytorch as pl
+    from transformers import MixtralForCausalLM
+
+    from lightning_ep import ExpertParallelStrategy, MoEConfig
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            if not hasattr(self, "model"):
+                torch.manual_seed(0)
+                config = tiny_mixtral_config(hidden_size=128, intermediate_size=64, num_hidden_layers=2)
+                self.model = MixtralForCausalLM(config)
+
+        def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
+            loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
+            self.losses.append(loss.detach())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+    data = torch.randint(0, 128, (STEPS * 4, 32), generator=torch.Generator().manual_seed(1))
+    module = Module()
+    strategy = ExpertParallelStrategy(1, moe=MoEConfig(moe_load_balancing=balancing), execution=execution)  # type: ignore[arg-type]
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, strategy=strategy, precision="bf16-true", max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    params = {k: v.detach().float().cpu() for k, v in module.model.state_dict().items()}
+    return [float(x) for x in module.losses], params, strategy
+
+
+@pytest.mark.parametrize("balancing", ["none", "sinkhorn"])
+def test_automatic_graphs_and_adamw_give_the_same_bits(single_process: None, balancing: str) -> None:
+    from lightning_ep import Execution
+    from lightning_ep.optim import AdamW
+
+    auto_losses, auto_params, auto = _fit(Execution(compile=False), balancing)
+    assert auto.resolved.cuda_graphs and auto.resolved.fused_adamw
+    assert type(auto.optimizers[0]) is AdamW, "torch.optim.AdamW(fused=True) steps with the kernels"
+    assert any(layer._layer_graphs is not None and layer._layer_graphs.fwd is not None for layer in auto._layers())
+    off_losses, off_params, off = _fit(Execution(compile=False, cuda_graphs=False, fused_adamw=False), balancing)
+    assert type(off.optimizers[0]) is torch.optim.AdamW
+    assert auto_losses == off_losses
+    for name, value in off_params.items():
+        assert torch.equal(auto_params[name], value), name
+
+
+def test_automatic_compile_agrees_to_bf16_rounding(single_process: None) -> None:
+    from lightning_ep import Execution
+
+    auto_losses, _, auto = _fit(Execution(), "sinkhorn")
+    assert auto.resolved.compile and auto.resolved.cuda_graphs
+    off_losses, _, _ = _fit(Execution(compile=False, cuda_graphs=False, fused_adamw=False), "sinkhorn")
+    # bf16 parameters and activations: the compiled norms' reordered sums move the loss by a few bf16 ulps.
+    for mine, theirs in zip(auto_losses, off_losses, strict=True):
+        assert abs(mine - theirs) <= 2e-2 * abs(theirs), (auto_losses, off_losses)

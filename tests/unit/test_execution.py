@@ -1,0 +1,174 @@
+"""``lightning_ep.execution``: the automatic choices and the setup table are a pure function of the
+environment, tested here for the environments a user meets; forced choices that cannot apply are
+refused by name; the fused AdamW swap keeps torch's bits and the optimizer object."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_ep import Execution, MoEConfig
+from lightning_ep.execution import Environment, Resolved, merge, resolve
+from lightning_ep.execution_setup import step_fused_adamw_with_kernels, with_compile_layers
+
+
+def _env(**overrides: object) -> Environment:
+    values: dict[str, object] = {
+        "device_type": "cuda",
+        "triton": True,
+        "num_nodes": 1,
+        "devices_per_node": 1,
+        "degree": 1,
+        "precision": "bf16-mixed",
+    }
+    values.update(overrides)
+    return Environment(**values)  # type: ignore[arg-type]
+
+
+def _rows(resolved: Resolved) -> dict[str, tuple[str, str]]:
+    """The table's rows, each as (value, reason); the table prints one line per row."""
+    rows = {c.name: (c.value, c.reason) for c in resolved.choices}
+    lines = resolved.table().splitlines()[1:]
+    assert len(lines) == len(rows)
+    for line, (name, (value, reason)) in zip(lines, rows.items(), strict=True):
+        assert line.split() == [name, *value.split(), *reason.split()]
+    return rows
+
+
+def test_cpu_runs_eager_with_the_collective_exchange() -> None:
+    env = _env(device_type="cpu", devices_per_node=4, degree=2, precision="32-true")
+    resolved = resolve(Execution(), env, MoEConfig())
+    assert (resolved.compile, resolved.cuda_graphs, resolved.symmetric_memory, resolved.fused_adamw) == (
+        False,
+        False,
+        False,
+        False,
+    )
+    assert resolved.table().splitlines()[0] == "lightning_ep execution (cpu, 1 node x 4 processes, degree 2, 32-true):"
+    rows = _rows(resolved)
+    assert rows["compile"][0] == "off" and "CPU" in rows["compile"][1]
+    assert rows["exchange"][0] == "all-to-all (gloo)"
+    assert rows["token_dedup"][0] == "off"
+    assert rows["cuda_graphs"] == ("off", "auto: off, needs CUDA with Triton")
+    assert rows["fused_adamw"][0] == "off"
+
+
+def test_one_gpu_gets_compile_graphs_and_the_fused_adamw() -> None:
+    resolved = resolve(Execution(), _env(), MoEConfig())
+    assert resolved.compile and resolved.cuda_graphs and resolved.fused_adamw and not resolved.symmetric_memory
+    rows = _rows(resolved)
+    assert list(rows) == ["compile", "exchange", "cuda_graphs", "fused_adamw"]  # no dedup row at degree 1
+    assert rows["exchange"][0] == "local"
+    assert rows["cuda_graphs"] == ("on", "auto")
+    layers = resolved.moe_config(MoEConfig())
+    assert layers.cuda_graphs and not layers.token_dedup and not layers.symmetric_memory_dispatch
+
+
+def test_one_node_of_eight_gpus_keeps_the_dynamic_nccl_exchange() -> None:
+    resolved = resolve(Execution(), _env(devices_per_node=8, degree=8, precision="bf16-true"), MoEConfig())
+    rows = _rows(resolved)
+    assert rows["exchange"][0] == "all-to-all (nccl)"
+    assert rows["cuda_graphs"][0] == "off" and "static plan above degree 1" in rows["cuda_graphs"][1]
+    assert resolved.compile and resolved.fused_adamw and not resolved.cuda_graphs
+
+
+def test_several_nodes_with_checkpointing_and_experts_under_fsdp() -> None:
+    env = _env(num_nodes=4, devices_per_node=8, degree=8, activation_checkpointing=True)
+    rows = _rows(resolve(Execution(), env, MoEConfig()))
+    assert rows["cuda_graphs"] == ("off", "auto: off, needs no activation checkpointing")
+    env = _env(num_nodes=4, devices_per_node=8, degree=8)
+    rows = _rows(resolve(Execution(), env, MoEConfig()))
+    assert "expert weights that stay in place (degree 8 = world size 32)" in rows["cuda_graphs"][1]
+    with pytest.raises(ValueError, match=r"every expert-parallel group on one node \(degree 16 > 8 per node\)"):
+        resolve(Execution(exchange="symmetric_memory"), _env(num_nodes=2, devices_per_node=8, degree=16), MoEConfig())
+
+
+def test_fp32_and_capacity_keep_graphs_off() -> None:
+    assert "bf16 experts (precision is 32-true)" in resolve(Execution(), _env(precision="32-true"), MoEConfig()).table()
+    table = resolve(Execution(), _env(), MoEConfig(capacity_factor=1.25)).table()
+    assert "a dropless dispatch (capacity_factor is set)" in table
+
+
+def test_forced_choices_are_kept_or_refused_by_name() -> None:
+    off = resolve(Execution(compile=False, cuda_graphs=False, fused_adamw=False), _env(), MoEConfig())
+    assert not (off.compile or off.cuda_graphs or off.fused_adamw)
+    assert "forced" in _rows(off)["cuda_graphs"][1]
+    cpu = _env(device_type="cpu", precision="32-true")
+    with pytest.raises(
+        ValueError, match=r"Execution\(cuda_graphs=True\) needs CUDA with Triton; use cuda_graphs='auto'"
+    ):
+        resolve(Execution(cuda_graphs=True), cpu, MoEConfig())
+    with pytest.raises(ValueError, match=r"Execution\(fused_adamw=True\) needs CUDA with Triton \(CPU here\)"):
+        resolve(Execution(fused_adamw=True), cpu, MoEConfig())
+    with pytest.raises(ValueError, match=r"Execution\(token_dedup=True\) deduplicates the dropless"):
+        resolve(Execution(token_dedup=True), _env(), MoEConfig())
+    with pytest.raises(ValueError, match=r"the degree is 1"):
+        resolve(Execution(exchange="symmetric_memory"), _env(), MoEConfig())
+    symm = Execution(exchange="symmetric_memory", row_budget=4096, cuda_graphs=True)
+    resolved = resolve(symm, _env(devices_per_node=2, degree=2), MoEConfig())
+    assert resolved.symmetric_memory and resolved.cuda_graphs and resolved.row_budget == 4096
+    layers = resolved.moe_config(MoEConfig())
+    assert layers.symmetric_memory_dispatch and layers.max_tokens_per_rank == 4096 and layers.cuda_graphs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"compile": "yes"}, TypeError, r"Execution\(compile='yes'\): pass 'auto', True or False"),
+        ({"exchange": "nvlink"}, ValueError, r"Execution\(exchange='nvlink'\) is not one of"),
+        ({"row_budget": 0}, ValueError, r"Execution\(row_budget=0\): pass an int >= 1"),
+        ({"row_budget": 64}, ValueError, r"set exchange='symmetric_memory', or row_budget=None"),
+    ],
+)
+def test_bad_execution_values(kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        Execution(**kwargs)
+
+
+def test_moe_config_fields_force_the_same_choices_and_contradictions_are_refused() -> None:
+    merged = merge(Execution(), MoEConfig(cuda_graphs=True, token_dedup=True))
+    assert merged.cuda_graphs is True and merged.token_dedup is True
+    with pytest.raises(ValueError, match=r"MoEConfig sets cuda_graphs=True but Execution\(cuda_graphs=False\)"):
+        merge(Execution(cuda_graphs=False), MoEConfig(cuda_graphs=True))
+    merged = merge(Execution(), MoEConfig(symmetric_memory_dispatch=True, max_tokens_per_rank=512))
+    assert merged.exchange == "symmetric_memory" and merged.row_budget == 512
+
+
+def test_compile_layers_is_deprecated_but_kept() -> None:
+    with pytest.warns(DeprecationWarning, match=r"execution=lightning_ep.Execution\(compile=True\)"):
+        assert with_compile_layers(Execution(), True).compile is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert with_compile_layers(Execution(), None).compile == "auto"
+    with pytest.raises(ValueError, match=r"compile_layers=False\) contradicts Execution\(compile=True\)"):
+        with pytest.warns(DeprecationWarning):
+            with_compile_layers(Execution(compile=True), False)
+
+
+def test_fused_adamw_swap_keeps_the_bits_the_object_and_the_scheduler() -> None:
+    from lightning_ep.optim import AdamW
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    mine = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    reference = torch.optim.AdamW(twins, lr=1e-2, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(mine, lambda step: 0.5**step)
+    ref_scheduler = torch.optim.lr_scheduler.LambdaLR(reference, lambda step: 0.5**step)
+    foreach = torch.optim.AdamW([torch.nn.Parameter(torch.randn(4))], foreach=True)
+    amsgrad = torch.optim.AdamW([torch.nn.Parameter(torch.randn(4))], fused=True, amsgrad=True)
+    assert step_fused_adamw_with_kernels([mine, foreach, amsgrad]) == 1
+    assert type(mine) is AdamW and type(foreach) is torch.optim.AdamW and type(amsgrad) is torch.optim.AdamW
+    for step in range(3):
+        for group in (params, twins):
+            for p in group:
+                p.grad = torch.full_like(p, 0.1 * (step + 1)) + p.detach() * 0.01
+        mine.step()
+        reference.step()
+        scheduler.step()
+        ref_scheduler.step()
+    for p, q in zip(params, twins, strict=True):
+        assert torch.equal(p, q)
+    assert mine.param_groups[0]["lr"] == reference.param_groups[0]["lr"] == 1e-2 * 0.5**3
