@@ -11,7 +11,10 @@ The model, per step and rank (``T`` tokens, ``d`` the degree, ``b`` bytes per ac
   RoPE), the loss over ``T x V``, and AdamW streaming parameters, gradients and both states;
 - the all-to-all, not overlapped with compute: ``4 T K H b (d - 1) / d`` bytes per MoE layer (dispatch
   and combine, forward and backward), at NVLink bandwidth within a node and at the network's for
-  the share of peers on other nodes, plus ``A2A_LATENCY_S`` per call;
+  the share of peers on other nodes, plus ``A2A_LATENCY_S`` per call; a third more under
+  ``activation_checkpointing=True``, whose recomputation exchanges again (``"keep_all_to_all"``
+  does not);
+- activation checkpointing recomputes each layer's forward: compute, passes and host a third more;
 - FSDP2's all-gathers (forward and backward) and reduce-scatters, overlapped with compute: only
   what exceeds the compute time shows; HSDP's all-reduce across replicas likewise.
 - a host floor of ``HOST_S_PER_STEP`` plus ``HOST_S_PER_LAYER`` per decoder layer (an eager step
@@ -39,7 +42,7 @@ PASSES_PER_TOKEN = 40
 A2A_LATENCY_S = 50e-6
 HOST_S_PER_STEP = 15e-3
 HOST_S_PER_LAYER = 15e-3
-_GIB = 2**30
+_FP32 = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,11 +157,16 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardwar
     attention_flops = 3.0 * shape.layers * workload.seq * a.heads * (a.qk_head_dim + a.v_head_dim) * t
     dense_s = 6.0 * dense_active * t / (hw.dense_tflops * 1e12)
     dense_s += attention_flops / (ATTENTION_EFFICIENCY * hw.dense_tflops * 1e12)
-    compute = (expert_s + dense_s) * fp32_slowdown
+    # Activation checkpointing runs each decoder layer's forward again in backward: a third more.
+    recompute = 4.0 / 3.0 if workload.activation_checkpointing else 1.0
+    compute = (expert_s + dense_s) * fp32_slowdown * recompute
     streamed = shape.moe_layers * PASSES_PER_ROW * rows * h * b + shape.layers * PASSES_PER_TOKEN * t * h * b
+    streamed *= recompute
     streamed += 6 * t * shape.vocab * 4  # logits, their fp32 copy, log_softmax and its gradient
     local = rank_params(shape, layout).total
-    streamed += local * (4 * workload.param_bytes)  # AdamW reads p, g, m, v and writes p, m, v
+    streamed += local * (7 * workload.param_bytes)  # AdamW reads p, g, m, v and writes p, m, v
+    if workload.precision == "bf16-mixed":  # fp32 weights cast to bf16 for forward and again for backward
+        streamed += 2 * local * (_FP32 + 2)
     memory = streamed / (hw.hbm_gbps * 1e9)
     a2a_bytes = all_to_all_bytes(shape, layout, workload)
     a2a = shape.moe_layers * _a2a_seconds(a2a_bytes, layout, hw)
@@ -177,9 +185,9 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardwar
     return StepTime(
         compute_s=compute,
         memory_s=memory,
-        all_to_all_s=a2a,
+        all_to_all_s=a2a * recompute if workload.activation_checkpointing is True else a2a,
         fsdp_exposed_s=exposed,
-        host_s=HOST_S_PER_STEP + HOST_S_PER_LAYER * shape.layers,
+        host_s=HOST_S_PER_STEP + HOST_S_PER_LAYER * shape.layers * recompute,
         all_to_all_bytes=a2a_bytes,
         all_to_all_crosses_nodes=layout.spans_nodes(layout.degree),
     )
