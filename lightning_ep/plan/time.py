@@ -160,7 +160,7 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardwar
     # Activation checkpointing runs each decoder layer's forward again in backward: a third more.
     recompute = 4.0 / 3.0 if workload.activation_checkpointing else 1.0
     compute = (expert_s + dense_s) * fp32_slowdown * recompute
-    streamed = shape.moe_layers * PASSES_PER_ROW * rows * h * b + shape.layers * PASSES_PER_TOKEN * t * h * b
+    streamed = float(shape.moe_layers * PASSES_PER_ROW * rows * h * b + shape.layers * PASSES_PER_TOKEN * t * h * b)
     streamed *= recompute
     streamed += 6 * t * shape.vocab * 4  # logits, their fp32 copy, log_softmax and its gradient
     local = rank_params(shape, layout).total
