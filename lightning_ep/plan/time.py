@@ -136,11 +136,12 @@ def _a2a_seconds(nbytes: int, layout: Layout, hw: Hardware) -> float:
     return link + 4 * A2A_LATENCY_S
 
 
-def _collective_seconds(nbytes: float, group: int, layout: Layout, hw: Hardware) -> float:
-    """A ring all-gather or reduce-scatter of ``nbytes`` (the full size) over ``group`` ranks."""
+def _collective_seconds(nbytes: float, group: int, layout: Layout, hw: Hardware, stride: int = 1) -> float:
+    """A ring all-gather or reduce-scatter of ``nbytes`` (the full size) over ``group`` ranks
+    ``stride`` apart (the ``edp`` ranks of an expert are ``degree`` apart)."""
     if group == 1:
         return 0.0
-    rate = hw.allgather_gbps if group <= layout.gpus_per_node else hw.network_gbps
+    rate = hw.allgather_gbps if group * stride <= layout.gpus_per_node else hw.network_gbps
     return nbytes * (group - 1) / group / (rate * 1e9)
 
 
@@ -176,8 +177,8 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardwar
     fsdp = 2 * _collective_seconds(dense_full * gather_bytes, layout.shard, layout, hw)  # forward, backward
     fsdp += _collective_seconds(dense_full * 4, layout.shard, layout, hw)  # fp32 reduce-scatter
     if layout.experts_sharded:
-        fsdp += 2 * _collective_seconds(expert_full * gather_bytes, layout.edp, layout, hw)
-        fsdp += _collective_seconds(expert_full * 4, layout.edp, layout, hw)
+        fsdp += 2 * _collective_seconds(expert_full * gather_bytes, layout.edp, layout, hw, layout.degree)
+        fsdp += _collective_seconds(expert_full * 4, layout.edp, layout, hw, layout.degree)
     if layout.replicate_degree > 1:  # HSDP: all-reduce of each rank's fp32 gradient shard across replicas
         rate = hw.network_gbps if layout.world > layout.gpus_per_node else hw.allgather_gbps
         fsdp += 2 * local * 4 * (layout.replicate_degree - 1) / layout.replicate_degree / (rate * 1e9)
