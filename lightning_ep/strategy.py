@@ -7,7 +7,6 @@ everything with FSDP2, materialises meta weights, and then lets Lightning set up
 
 from __future__ import annotations
 
-import math
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -68,8 +67,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
     Args:
         degree: expert-parallel degree ``d`` (ranks that split the experts of each layer). ``"auto"``
-            picks the largest divisor of the expert count that also divides the devices per node,
-            so the all-to-all stays on the node's fast links. With ``"auto"`` the mesh is built after
+            on CUDA picks the smallest degree whose plan (``lightning_ep.plan``) fits the device memory
+            with a margin, for ``plan_batch``, prints it on rank 0, and fails before any weight is
+            materialised if none fits; on CPU the largest divisor of the expert count that also divides
+            the devices per node (``lightning_ep.plan.auto``). With ``"auto"`` the mesh is built after
             ``configure_model`` (the expert count is known only then), so ``self.device_mesh`` is not
             available inside ``configure_model``; pass an int if the module needs it there.
         replicate_degree: HSDP replicate degree ``R``; the world is ``R * E_dp * d`` ranks.
@@ -114,6 +115,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             and a frozen reference). The other MoE models must be frozen and stay whole on every
             rank; trainable modules outside them (a value head) are sharded with FSDP2 over all
             ranks (see ``lightning_ep.model_selection``).
+        plan_batch: ``(micro_batch, seq)`` per GPU that ``degree="auto"`` plans the memory for.
 
     A configuration error is raised in full on rank 0 and as a one-line note on the other ranks
     (``lightning_ep.config_errors``); ``degree`` and the precision are checked against the
@@ -139,6 +141,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = _DEFAULT_TIMEOUT,
         moe_model: str | None = None,
+        plan_batch: tuple[int, int] = (1, 4096),
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
@@ -176,6 +179,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.check_finite = check_finite
         self.deterministic = deterministic
         self.moe_model = moe_model
+        self.plan_batch = plan_batch
         self._hf_model: nn.Module | None = None
         self._bias_hooks: list[RemovableHandle] = []
         self._step_checks = StepChecks(check_finite=check_finite, log_losses=log_moe_losses)
@@ -217,12 +221,15 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
-    def _auto_degree(self, num_experts: int) -> int:
-        per_node = self.num_processes
-        for d in range(math.gcd(num_experts, per_node), 0, -1):
-            if num_experts % d == 0 and per_node % d == 0 and self.world_size % (d * self.replicate_degree) == 0:
-                return d
-        return 1
+    def _auto_degree(self, hf_model: nn.Module) -> int:
+        from lightning_ep.plan.auto import auto_degree
+
+        ac, cf, n, r = self.activation_checkpointing, self.moe.capacity_factor, self.num_processes, self.global_rank
+        return auto_degree(
+            hf_model, num_experts=num_experts(hf_model), world_size=self.world_size, devices_per_node=n,
+            replicate_degree=self.replicate_degree, device=self.root_device, precision=self.precision_plugin.precision,
+            plan_batch=self.plan_batch, activation_checkpointing=ac, capacity_factor=cf, rank=r,
+        )  # fmt: skip
 
     @property
     @override
@@ -248,7 +255,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                     "materialise it."
                 )
             selection = select(module, self.moe_model, smp_moe=self.moe.smp_moe)
-            degree = self._auto_degree(num_experts(selection.model)) if self._degree == "auto" else None
+            degree = self._auto_degree(selection.model) if self._degree == "auto" else None
         if degree is not None:
             self._build_mesh(degree)
         with shown_once(self.global_rank):

@@ -70,3 +70,22 @@ def test_pure_torch_packages_have_no_forbidden_imports():
                 offenders.append(f"{path.relative_to(PACKAGE)}: {match.group(0).strip()}")
     assert any(p.name == "layer.py" for p in scanned)
     assert offenders == []
+
+
+_PLAN_IMPORT = re.compile(r"^\s*(?:import|from)\s+lightning_ep\.plan(?:\.|\s|$)", re.MULTILINE)
+
+
+def test_plan_sits_above_moe_and_parallel_and_below_lightning():
+    """``lightning_ep.plan`` may import ``lightning_ep.models`` and transformers (it counts Hugging Face
+    models); ``moe`` and ``parallel`` never import it, and it never imports Lightning (only the
+    strategy calls it)."""
+    offenders = []
+    for sub in ("moe", "parallel", "models"):
+        for path in sorted((PACKAGE / sub).rglob("*.py")):
+            if _PLAN_IMPORT.search(path.read_text()):
+                offenders.append(str(path.relative_to(PACKAGE)))
+    lightning = re.compile(r"^\s*(?:import|from)\s+(?:lightning|lightning_fabric|pytorch_lightning)(?:\.|\s|,|$)", re.M)
+    plan_files = sorted((PACKAGE / "plan").rglob("*.py"))
+    assert any(p.name == "memory.py" for p in plan_files)
+    offenders += [str(p.relative_to(PACKAGE)) for p in plan_files if lightning.search(p.read_text())]
+    assert offenders == []

@@ -1,0 +1,53 @@
+"""The planner's tables of ``docs/scaling.md``: for each model and world size, every degree with
+the smallest replicate degree that fits (replicate 1 where none does).
+
+    python benchmarks/plan_tables.py > tables.md
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning_ep.plan import Hardware, Workload, model_shape, plan_layouts
+from lightning_ep.plan.report import header, table
+
+CONFIGS = Path(__file__).resolve().parents[1] / "lightning_ep" / "plan" / "configs"
+MODELS = ("mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "deepseek-v3")
+WORLDS = (8, 64, 512)
+WORKLOAD = Workload(micro_batch=2, seq=4096, precision="bf16-mixed", activation_checkpointing=True)
+
+
+def main() -> None:
+    hardware = Hardware.h200()
+    for name in MODELS:
+        shape = model_shape(CONFIGS / f"{name}.json")
+        print(f"### {name}\n")
+        for world in WORLDS:
+            plans = plan_layouts(shape, world, WORKLOAD, hardware, memory_bytes=hardware.memory_bytes)
+            chosen = []
+            for degree in sorted({p.layout.degree for p in plans}):
+                same = [p for p in plans if p.layout.degree == degree]
+                chosen.append(next((p for p in same if p.fits), same[0]))
+            print(f"{world} GPUs. {header(chosen[0]).split('; ', 1)[1]}\n")
+            print(table(chosen, markdown=True) + "\n")
+            fitting = [p for p in plans if p.fits]
+            if fitting:
+                fast = min(fitting, key=lambda p: p.time.step_s)
+                t = fast.time
+                print(
+                    f"Fastest layout that fits: degree={fast.layout.degree}, replicate_degree="
+                    f"{fast.layout.replicate_degree}: {t.step_s:.3f} s per step, {fast.tokens_per_s:,.0f} tok/s/GPU, "
+                    f"MFU {fast.mfu:.0%}, all-to-all {t.all_to_all_share:.0%} of the step"
+                    + (
+                        " (across nodes)"
+                        if t.all_to_all_crosses_nodes
+                        else " (inside a node)"
+                        if t.all_to_all_s
+                        else ""
+                    )
+                    + ".\n"
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""Per-rank memory of one training step: parameters, gradients, AdamW states (exact), activations,
+exchange buffers and FSDP2's gathered copies (estimated), and the peak they add up to.
+
+What the strategy holds, and so what is counted:
+
+- Sharding (``lightning_ep.parallel.fsdp.shard_model``): a dense parameter is split on dim 0 over
+  the ``S = W / R`` shard ranks, FSDP2's way (``torch.chunk``: rank ``s`` keeps rows
+  ``s*c .. s*c+c-1``, ``c = ceil(n / S)``, so rank 0 holds the most); an expert weight keeps its
+  ``E / d`` experts of the ``ep`` axis and, when FSDP2 wraps the experts (``R x edp > 1``), is split
+  on dim 1 over the ``edp`` ranks.
+- Precision (``ExpertParallelStrategy._mp_policy`` and Lightning's plugins): ``32-true`` and
+  ``bf16-mixed`` keep fp32 parameters (``bf16-mixed`` computes in bf16 under autocast, FSDP2
+  gathering bf16 copies), ``bf16-true`` keeps bf16 ones; gradients take the parameters' dtype.
+- AdamW (torch's, or ``lightning_ep.optim.AdamW``): ``exp_avg`` and ``exp_avg_sq`` like each
+  parameter (its dtype: bf16 under ``bf16-true``), and a 0-dim fp32 ``step`` per parameter tensor.
+- Lightning's automatic optimization zeroes gradients (``set_to_none``) after the forward, so the
+  previous step's gradients are alive through the forward: at its end (the loss) the rank holds
+  the states, those gradients, every layer's saved activations and the loss's logits.
+- Activation checkpointing (Hugging Face's, non-reentrant, per decoder layer): a layer keeps only
+  its input; its activations come back, one layer at a time, in backward. ``"keep_all_to_all"``
+  also keeps each MoE layer's exchanged rows (``(M + T K) x H`` elements) until its backward.
+
+The activation widths per token come from reading the modules' forward passes (Hugging Face
+RMSNorm, attention and MLPs; ``lightning_ep.moe.grouped_mlp``, ``combine``): see
+``layer_activation_bytes``. Rows per rank ``M``: ``T K`` in the expected (balanced) case;
+``d T min(K, E / d)`` in the dropless worst case (every token of the EP group chooses this rank's
+experts); ``E C`` with a capacity ``C = ceil(T K / E x capacity_factor)`` per (rank, expert).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_ep.plan.layouts import Layout
+from lightning_ep.plan.model import ModelShape, ParamInfo
+
+Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
+Checkpointing = bool | Literal["keep_all_to_all"]
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+_FP32 = 4
+_STEP_BYTES = 4  # AdamW's 0-dim fp32 ``step`` per parameter tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one rank trains on each step.
+
+    Attributes:
+        micro_batch: sequences per rank per step; seq: tokens per sequence.
+        precision: Lightning's ``precision`` (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``).
+        activation_checkpointing: the strategy's argument (``False``, ``True``, ``"keep_all_to_all"``).
+        capacity_factor: ``MoEConfig.capacity_factor`` (``None``: dropless).
+    """
+
+    micro_batch: int = 1
+    seq: int = 4096
+    precision: Precision = "bf16-mixed"
+    activation_checkpointing: Checkpointing = False
+    capacity_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Workload({name}={value!r}): pass an int >= 1.")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Workload(precision={self.precision!r}): choose one of {list(PRECISIONS)}.")
+        if not (isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing == "keep_all_to_all"):
+            raise ValueError(
+                f"Workload(activation_checkpointing={self.activation_checkpointing!r}): pass True, False or "
+                "'keep_all_to_all'."
+            )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"Workload(capacity_factor={self.capacity_factor!r}): pass a float > 0, or None.")
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq
+
+    @property
+    def param_bytes(self) -> int:
+        return 2 if self.precision == "bf16-true" else _FP32
+
+    @property
+    def compute_bytes(self) -> int:
+        return _FP32 if self.precision == "32-true" else 2
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Elements and tensors one rank holds after sharding."""
+
+    dense: int
+    experts: int
+    tensors: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankMemory:
+    """Bytes on one rank (rank 0, which holds the largest shards). ``activations`` and ``total`` are
+    the case the plan is judged by (expected, or the capacity when set); ``*_worst`` the dropless
+    worst case. ``peak_phase`` names where the peak falls."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    activations_worst: int
+    exchange: int
+    gathered: int
+    total: int
+    total_worst: int
+    peak_phase: str
+
+    def as_dict(self) -> dict[str, int | str]:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "activations_worst": self.activations_worst,
+            "exchange": self.exchange,
+            "gathered": self.gathered,
+            "total": self.total,
+            "total_worst": self.total_worst,
+        }
+
+
+def _chunk(n: int, parts: int, index: int) -> int:
+    """Rows of ``torch.chunk(rows=n, parts)[index]`` (0 past the last chunk), as FSDP2 shards."""
+    size = math.ceil(n / parts) if n else 0
+    return max(0, min(size, n - index * size)) if size else 0
+
+
+def local_numel(param: ParamInfo, layout: Layout, rank: int = 0) -> int:
+    """Elements of ``param`` that ``rank`` holds once the strategy has sharded the model."""
+    if not param.shape:
+        return 1
+    _, edp_index, _ = layout.coordinates(rank)
+    rest = param.numel // param.shape[0] if param.shape[0] else 0
+    if not param.expert:
+        return _chunk(param.shape[0], layout.shard, rank % layout.shard) * rest
+    local_experts = param.shape[0] // layout.degree
+    if not layout.experts_sharded or len(param.shape) < 2:
+        return local_experts * rest
+    inner = rest // param.shape[1] if param.shape[1] else 0
+    return local_experts * _chunk(param.shape[1], layout.edp, edp_index) * inner
+
+
+def rank_params(shape: ModelShape, layout: Layout, rank: int = 0) -> RankParams:
+    """Dense and expert elements, and parameter tensors, on ``rank``."""
+    dense = sum(local_numel(p, layout, rank) for p in shape.params if not p.expert)
+    experts = sum(local_numel(p, layout, rank) for p in shape.params if p.expert)
+    return RankParams(dense, experts, len(shape.params))
+
+
+def state_bytes(shape: ModelShape, layout: Layout, workload: Workload, rank: int = 0) -> tuple[int, int, int]:
+    """``(params, grads, optimizer)`` bytes on ``rank``: exact for the strategy's sharding and AdamW."""
+    held = rank_params(shape, layout, rank)
+    params = held.total * workload.param_bytes
+    return params, params, 2 * params + _STEP_BYTES * held.tensors
+
+
+def rows_per_rank(shape: ModelShape, layout: Layout, workload: Workload, case: str) -> int:
+    """Rows ``M`` one rank's experts receive in one MoE layer: ``"expected"``, ``"worst"``
+    (dropless), or the capacity's static count when ``workload.capacity_factor`` is set."""
+    t, k, e = workload.tokens, shape.top_k, shape.num_experts
+    if workload.capacity_factor is not None:
+        return e * max(1, math.ceil((t * k / e) * workload.capacity_factor))
+    if case == "worst":
+        return layout.degree * t * min(k, e // layout.degree)
+    return t * k
+
+
+def _norm(width: int, input_bytes: int) -> int:
+    # HF RMSNorm keeps x in fp32 (a copy when x is bf16) and the normalised x cast back to x's dtype.
+    return width * (_FP32 + (2 if input_bytes == 2 else _FP32))
+
+
+def _inputs(width: int, consumers: int, workload: Workload) -> int:
+    # Each projection saves its input; under autocast each casts the fp32 input to bf16 on its own.
+    if workload.precision == "bf16-mixed":
+        return width * 2 * consumers
+    return width * workload.compute_bytes
+
+
+def layer_activation_bytes(shape: ModelShape, workload: Workload, rows: int, moe: bool) -> int:
+    """Bytes one decoder layer saves for its backward with ``rows`` expert rows (no checkpointing)."""
+    t, h, b = workload.tokens, shape.hidden, workload.compute_bytes
+    residual = workload.param_bytes if workload.precision != "bf16-mixed" else _FP32
+    a = shape.attention
+    attention = _norm(h, residual) + _inputs(h, a.linear_inputs, workload)
+    attention += (a.q + a.k + a.v + 2 * a.o) * b + _FP32 * a.heads  # SDPA's q, k, v, out, lse; o_proj's input
+    attention += sum(_norm(w, b) + w * b for w in a.norm_widths)
+    per_token = attention + _norm(h, residual)
+    if not moe:
+        return t * (per_token + _inputs(h, 2, workload) + 4 * shape.dense_width * b)
+    per_token += _FP32 * h + 3 * _FP32 * shape.num_experts  # fp32 router input; logits, scores
+    if shape.shared_width:
+        per_token += _inputs(h, 2, workload) + 4 * shape.shared_width * b
+    # grouped_mlp keeps x and h = x W1 (2F); the SwiGLU output a (F) is kept only under autograd
+    # (autocast, GPT-OSS's clamped SwiGLU); the combine keeps the expert outputs y, one per (token, k).
+    keeps_a = workload.precision == "bf16-mixed" or shape.expert_biases
+    per_row = (h + (3 if keeps_a else 2) * shape.expert_width) * b
+    return t * per_token + rows * per_row + t * shape.top_k * h * b
+
+
+def _expert_copies(shape: ModelShape, layout: Layout, workload: Workload, rank: int) -> int:
+    """Per MoE layer: the bf16 expert weights cast from fp32 and saved for backward, when FSDP2 does
+    not wrap the experts (``R x edp = 1``) under ``bf16-mixed`` (``GroupedExperts.compute_dtype``)."""
+    if layout.experts_sharded or workload.precision != "bf16-mixed":
+        return 0
+    per_layer = sum(local_numel(p, layout, rank) for p in shape.params if p.expert) // shape.moe_layers
+    return 2 * per_layer
+
+
+def _units(shape: ModelShape, layout: Layout, workload: Workload) -> tuple[int, int, int]:
+    """Bytes FSDP2 gathers (compute dtype): the root and output head (held from forward to backward),
+    one decoder layer's dense parameters, and one layer's local experts when FSDP2 wraps them."""
+    gather = workload.param_bytes if workload.precision == "32-true" else 2
+    head = 0 if shape.tied_embeddings else shape.vocab * shape.hidden
+    root = shape.vocab * shape.hidden + shape.hidden + head
+    per_layer_dense = (shape.dense_params - root) // shape.layers
+    experts = shape.expert_params // (shape.moe_layers * layout.degree) if layout.experts_sharded else 0
+    return root * gather, per_layer_dense * gather, experts * gather
+
+
+def exchange_bytes(shape: ModelShape, layout: Layout, workload: Workload, rows: int) -> int:
+    """One MoE layer's all-to-all buffers on a rank: the ``T K`` rows it sends and the ``M`` it
+    receives (``0`` at degree 1: the local dispatch only permutes)."""
+    if layout.degree == 1:
+        return 0
+    return (workload.tokens * shape.top_k + rows) * shape.hidden * workload.compute_bytes
+
+
+def rank_memory(shape: ModelShape, layout: Layout, workload: Workload, rank: int = 0) -> RankMemory:
+    """The memory of ``rank`` (see the module docstring) for one training step."""
+    params, grads, optimizer = state_bytes(shape, layout, workload, rank)
+    peaks = {}
+    for case in ("expected", "worst"):
+        peaks[case] = _peak(shape, layout, workload, rank, rows_per_rank(shape, layout, workload, case))
+    expected, worst = peaks["expected"], peaks["worst"]
+    static = params + optimizer
+    return RankMemory(
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=expected[1],
+        activations_worst=worst[1],
+        exchange=exchange_bytes(shape, layout, workload, rows_per_rank(shape, layout, workload, "expected")),
+        gathered=expected[2],
+        total=static + expected[0],
+        total_worst=static + worst[0],
+        peak_phase=expected[3],
+    )
+
+
+def _peak(shape: ModelShape, layout: Layout, workload: Workload, rank: int, rows: int) -> tuple[int, int, int, str]:
+    """``(bytes above params + optimizer at the peak, activations then, FSDP2 gathered bytes then,
+    phase)`` for ``rows`` expert rows per MoE layer."""
+    t, h, v, b = workload.tokens, shape.hidden, shape.vocab, workload.compute_bytes
+    _, grads, _ = state_bytes(shape, layout, workload, rank)
+    ac = workload.activation_checkpointing
+    residual = workload.param_bytes if workload.precision != "bf16-mixed" else _FP32
+    moe_every = [i >= shape.layers - shape.moe_layers for i in range(shape.layers)]  # MoE layers last
+    full = [
+        layer_activation_bytes(shape, workload, rows, moe)
+        + (_expert_copies(shape, layout, workload, rank) if moe else 0)
+        for moe in moe_every
+    ]
+    kept = exchange_bytes(shape, layout, workload, rows) if ac == "keep_all_to_all" else 0
+    saved = [t * h * residual + (kept if moe else 0) for moe in moe_every] if ac else full
+    root, layer_dense, layer_experts = _units(shape, layout, workload)
+    final = _norm(h, residual) + _inputs(h, 1, workload)
+    # The loss: logits (compute dtype), their fp32 copy under bf16, log_softmax's fp32 output.
+    logits_forward = t * v * (b + (_FP32 if b == 2 else 0) + _FP32)
+    forward = grads + root + sum(saved) + t * final + logits_forward
+    phases = {"forward (loss)": (forward, sum(saved) + t * final + logits_forward, root)}
+    # Backward, layer by layer from the last: earlier layers' saved activations, this layer's full
+    # ones, the gradients made so far, FSDP2's gathered parameters (this layer and the prefetched
+    # one) and unsharded gradients (with their fp32 reduce-scatter copy), the GEMMs' temporaries.
+    per_layer_grads = (grads - _head_grads(shape, layout, workload, rank)) // shape.layers
+    gathered = 2 * (layer_dense + layer_experts) + root
+    unsharded_grads = (layer_dense + layer_experts) * (1 + (2 if b == 2 else 1))
+    temps = rows * (6 * shape.expert_width + h) * b + t * h * _FP32
+    for i in range(shape.layers - 1, -1, -1):
+        done = (shape.layers - i) * per_layer_grads + _head_grads(shape, layout, workload, rank)
+        acts = sum(saved[:i]) + full[i]
+        phases[f"backward (layer {i})"] = (root + acts + done + gathered + unsharded_grads + temps, acts, gathered)
+    phases["optimizer step"] = (grads, 0, 0)
+    phase = max(phases, key=lambda name: phases[name][0])
+    total, acts, held = phases[phase]
+    return total, acts, held, phase
+
+
+def _head_grads(shape: ModelShape, layout: Layout, workload: Workload, rank: int) -> int:
+    names = [p for p in shape.params if not p.expert and ("embed" in p.name or "lm_head" in p.name)]
+    return sum(local_numel(p, layout, rank) for p in names) * workload.param_bytes
