@@ -77,11 +77,12 @@ def check_peft_model(model: nn.Module) -> Any | None:
             "one LoRA adapter at a time. Delete the others (model.delete_adapter(name)) before training."
         )
     config = next(iter(configs.values()))
-    wrapped = [  # nested wrappers sit at <experts>.base_layer...
-        f"{path.replace('.base_layer', '')}.{module.parameter_name}"
-        for path, module in model.named_modules()
-        if _is_param_wrapper(module)
-    ]
+    wrapped = []  # PEFT's wrappers (nested ones sit at <experts>.base_layer...), or what transform made of them
+    for path, module in model.named_modules():
+        if _is_param_wrapper(module):
+            wrapped.append(f"{path.replace('.base_layer', '')}.{module.parameter_name}")
+        elif isinstance(module, LoRAGroupedExperts):
+            wrapped.extend(f"{path}.{weight}" for weight in module.lora_scaling)
     for target in sorted(config.target_parameters or ()):
         if not any(name == target or name.endswith("." + target) for name in wrapped):
             raise ValueError(

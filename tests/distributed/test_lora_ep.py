@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from harness import spawn
-from lora_workers import run_lora_layouts
+from lora_workers import run_lora_bf16, run_lora_layouts
 
 pytestmark = pytest.mark.distributed
 
@@ -23,3 +23,7 @@ def test_lora_on_2_processes() -> None:
 
 def test_lora_on_4_processes() -> None:
     spawn(run_lora_layouts, 4, [(2, 1), (4, 1), (2, 2)], ["mixtral", "qwen3_moe"])
+
+
+def test_lora_fine_grained_in_bf16_with_activation_checkpointing() -> None:
+    spawn(run_lora_bf16, 2, ["olmoe", "qwen3_moe"])
