@@ -31,14 +31,18 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); ``+manualgc`` turns
   Python's garbage collector off during the fit and collects the young generations every 5 steps;
   ``+none``, ``+aux_loss``, ``+sinkhorn`` and ``+balanced`` set the row's balancing mode instead of
-  ``--balancing``; ``@reference`` (or another of ``_variants.VARIANTS``) runs it on the replaced
-  hot-path code.
+  ``--balancing``; ``+lora`` trains PEFT LoRA adapters only (``peft.get_peft_model`` in
+  ``configure_model``: rank 16, alpha 32, on ``q/k/v/o_proj`` and on ``experts.gate_up_proj`` /
+  ``experts.down_proj`` through ``target_parameters``; on ``eager`` / ``grouped_mm`` rows that is HF +
+  PEFT under FSDP2, on ``ep:`` rows this library's expert-stacked adapters); ``@reference`` (or
+  another of ``_variants.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
 ``W`` GPUs). Reported per GPU: tokens/s, model TFLOP/s (``_common.model_flops_per_token``),
 MFU against a dense bf16 GEMM timed in this process, peak memory allocated.
 
     torchrun --nproc-per-node 2 benchmarks/bench_step.py --shape coarse --rows eager grouped_mm ep:a2a ep:allgather
+    python benchmarks/bench_step.py --shape fine --rows ep:a2a grouped_mm+lora ep:a2a+lora   # LoRA beside full FT
     python benchmarks/bench_step.py --shape coarse --rows ep:a2a    # one GPU: this library at degree 1
 """
 
@@ -104,6 +108,7 @@ def make_module(
     compile_layers: bool = False,
     compile_dense_only: bool = False,
     manual_gc: bool = False,
+    lora: bool = False,
 ) -> Any:
     from lightning.pytorch import LightningModule
 
@@ -132,12 +137,16 @@ def make_module(
                 model = AutoModelForCausalLM.from_config(
                     hf_config(shape, seq), experts_implementation=impl, attn_implementation="sdpa"
                 )
+            if lora:
+                from peft import get_peft_model
+
+                model = get_peft_model(model, lora_config())
             if row in ("eager", "grouped_mm"):
                 shard_baseline(model, self.device_mesh["data_parallel"], self.device)
                 if compile_layers:
                     from lightning_ep.parallel import compile as compiling
 
-                    compiling.compile_blocks(model.model.layers)
+                    compiling.compile_blocks(decoder_layers(model))
                     compiling.compile_loss(model)  # as compile_layers=True does
             self.model = model
 
@@ -177,6 +186,24 @@ def make_module(
     return BenchModule()
 
 
+def lora_config() -> Any:
+    """The ``+lora`` rows' adapters: rank 16 on the attention projections and both expert weights."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=16,
+        lora_alpha=32,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    )
+
+
+def decoder_layers(model: Any) -> Any:
+    """The decoder layers of a Hugging Face causal LM, wrapped by PEFT or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model.layers
+
+
 def shard_baseline(model: Any, mesh: Any, device: torch.device) -> None:
     """FSDP2 as a Lightning user writes it: each decoder layer, then the root; then materialise."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -184,7 +211,7 @@ def shard_baseline(model: Any, mesh: Any, device: torch.device) -> None:
     from lightning_ep.models.init import materialize
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     materialize(model, device)
@@ -196,7 +223,7 @@ def set_prefetch(model: Any) -> None:
     layer otherwise delays the next all-gather until the sync returns)."""
     from torch.distributed.fsdp import FSDPModule
 
-    layers = [m for m in model.model.layers if isinstance(m, FSDPModule)]
+    layers = [m for m in decoder_layers(model) if isinstance(m, FSDPModule)]
     for current, following in itertools.pairwise(layers):
         current.set_modules_to_forward_prefetch([following])
         following.set_modules_to_backward_prefetch([current])
@@ -405,6 +432,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         optimizer="lightning_ep" if "adamw" in options else args.optimizer,
         compile_layers="compile" in options,
         compile_dense_only="compile_dense" in options,
+        lora="lora" in options,
     )
     steps = args.warmup + args.steps + 1
     data = torch.utils.data.DataLoader(_Tokens(steps * batch * world(), args.seq, shape.vocab), batch_size=batch)

@@ -7,7 +7,9 @@ Hugging Face folder:
     python examples/finetune.py fit --config examples/configs/cpu_tiny.yaml
 
 ``examples/configs/gpu_mixtral.yaml`` shows the GPU layout (bf16, degree 8, activation
-checkpointing) for a real Mixtral folder.
+checkpointing) for a real Mixtral folder. ``examples/configs/cpu_tiny_lora.yaml`` trains LoRA
+adapters (PEFT's ``LoraConfig``, on attention and experts) instead of every weight, and exports the
+adapter in PEFT's format beside the merged model.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class MoECausalLM(LightningModule):
             only its own slices of the weights.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
+        lora: keyword arguments of a ``peft.LoraConfig`` (e.g. ``r``, ``target_modules``,
+            ``target_parameters``): the model is wrapped by ``peft.get_peft_model`` and only the
+            adapters train. ``None``: full fine-tuning.
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class MoECausalLM(LightningModule):
         pretrained: str | None = None,
         lr: float = 3e-3,
         weight_decay: float = 0.0,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if (model is None) == (pretrained is None):
@@ -91,6 +97,10 @@ class MoECausalLM(LightningModule):
             from transformers import MixtralConfig, MixtralForCausalLM
 
             self.model = MixtralForCausalLM(MixtralConfig(**self.hparams.model))
+        if self.hparams.lora:
+            from peft import LoraConfig, get_peft_model
+
+            self.model = get_peft_model(self.model, LoraConfig(**self.hparams.lora))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch, labels=batch).loss
@@ -99,11 +109,14 @@ class MoECausalLM(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # torch's fused AdamW, bit for bit, with one Triton kernel per large CUDA tensor (torch's kernels on the CPU).
-        return AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        trainable = [p for p in self.parameters() if p.requires_grad]  # with LoRA: the adapters only
+        return AdamW(trainable, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 
 class ExportHF(Callback):
-    """At the end of fit, save a checkpoint and export it to a Hugging Face folder."""
+    """At the end of fit, save a checkpoint and export it to a Hugging Face folder (``hf``; a LoRA
+    run: the adapter merged in), and for a LoRA run the adapter in PEFT's format (``adapter``) and
+    the base model it adapts (``base``)."""
 
     def __init__(self, dirpath: str = "runs/tiny") -> None:
         self.dirpath = Path(dirpath)
@@ -114,6 +127,15 @@ class ExportHF(Callback):
         checkpoint = self.dirpath / "last.ckpt"
         trainer.save_checkpoint(checkpoint)
         export_hf(pl_module.model, self.dirpath / "hf", hf_config_or_folder=pl_module.model.config)
+        if pl_module.hparams.get("lora"):
+            from lightning_ep.models.lora_export import export_lora_adapter
+
+            # The frozen base (trained from scratch here) and the adapter, for PeftModel.from_pretrained.
+            config = pl_module.model.config
+            export_hf(pl_module.model, self.dirpath / "base", hf_config_or_folder=config, merge_lora=False)
+            export_lora_adapter(pl_module.model, self.dirpath / "adapter", hf_config_or_folder=config)
+            if trainer.is_global_zero:
+                print(f"LoRA adapter (PEFT format): {self.dirpath / 'adapter'}, its base: {self.dirpath / 'base'}")
         if trainer.is_global_zero:
             print(f"checkpoint: {checkpoint}\nHugging Face export: {self.dirpath / 'hf'}")
 

@@ -9,7 +9,8 @@ a sharded checkpoint, in the file itself of a full one), plain Python values onl
 
     {"format": 1,
      "moe_config": dataclasses.asdict(strategy.moe),
-     "moe_shape": {"model_type": "mixtral", "num_experts": 8, "top_k": 2, "num_moe_layers": 32}}
+     "moe_shape": {"model_type": "mixtral", "num_experts": 8, "top_k": 2, "num_moe_layers": 32},
+     "lora_config": "{...}"}   # only for a PEFT LoRA model: its adapter_config.json text
 
 ``load_checkpoint`` reads it before any weight is restored and refuses a resume whose MoE
 configuration or shape differs, by name, unless the strategy's ``allow_moe_config_change`` lists
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_ep.models.peft_lora import peft_configs
 from lightning_ep.models.registry import FAMILIES, find_moe_blocks, supported_model_types
 from lightning_ep.moe.config import MoEConfig, config_differences
 from lightning_ep.moe.layer import MoELayer
@@ -98,8 +100,16 @@ def moe_shape(model: nn.Module) -> dict[str, Any]:
 
 
 def make_record(config: MoEConfig, model: nn.Module) -> dict[str, Any]:
-    """The record saved under ``checkpoint[RECORD_KEY]`` for a run of ``model`` under ``config``."""
-    return {"format": RECORD_FORMAT, "moe_config": asdict(config), "moe_shape": moe_shape(model)}
+    """The record saved under ``checkpoint[RECORD_KEY]`` for a run of ``model`` under ``config``; for a
+    PEFT LoRA model, with ``"lora_config"``: its ``LoraConfig`` as the JSON of ``adapter_config.json``
+    (what ``python -m lightning_ep.export`` needs to write or merge the adapter)."""
+    record: dict[str, Any] = {"format": RECORD_FORMAT, "moe_config": asdict(config), "moe_shape": moe_shape(model)}
+    lora = peft_configs(model)
+    if lora:
+        from lightning_ep.models.lora_export import lora_config_to_json
+
+        record["lora_config"] = lora_config_to_json(next(iter(lora.values())))
+    return record
 
 
 def read_record(path: Path, weights_only: bool | None = None) -> dict[str, Any] | None:

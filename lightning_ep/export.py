@@ -1,10 +1,13 @@
 """Command line: export a trained checkpoint as a Hugging Face folder.
 
-    python -m lightning_ep.export CHECKPOINT OUT_DIR --config HF_FOLDER_OR_CONFIG_JSON [--prefix model.]
+    python -m lightning_ep.export CHECKPOINT OUT_DIR --config HF_FOLDER_OR_CONFIG_JSON [--prefix model.] [--adapter]
 
 ``CHECKPOINT`` is what Lightning's ``ModelParallelStrategy.save_checkpoint`` (hence
 ``ExpertParallelStrategy``) wrote: a sharded checkpoint directory or a full checkpoint file. It
 runs on one process, without GPUs or a process group; see ``lightning_ep.models.hf_export.export_hf``.
+For a run of a PEFT LoRA model (the checkpoint records its ``LoraConfig``), ``OUT_DIR`` holds the
+model with the adapter merged, or with ``--adapter`` the adapter alone in PEFT's format
+(``adapter_config.json``, ``adapter_model.safetensors``; ``lightning_ep.models.lora_export``).
 A bad input (a missing checkpoint or config, ``OUT_DIR`` an existing file, a checkpoint that does
 not match the config) exits with status 1 and a one-line message, without a traceback.
 """
@@ -14,8 +17,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from lightning_ep.checkpoints import read_record
 from lightning_ep.models.hf_export import export_hf
+from lightning_ep.models.lora_export import export_lora_adapter
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,9 +44,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="what precedes the Hugging Face names in the checkpoint keys, e.g. 'model.' for a "
         "LightningModule whose self.model is the Hugging Face model (default: detected)",
     )
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="for a LoRA run: write the adapter alone in PEFT's format (PeftModel.from_pretrained loads it) "
+        "instead of the merged model",
+    )
     args = parser.parse_args(argv)
     try:
-        out_dir = export_hf(args.checkpoint, args.out_dir, hf_config_or_folder=args.config, prefix=args.prefix)
+        record = read_record(Path(args.checkpoint), weights_only=True)
+        lora_config = (record or {}).get("lora_config")
+        if args.adapter:
+            if lora_config is None:
+                raise ValueError(
+                    f"--adapter: the checkpoint {args.checkpoint!r} records no LoRA config (it was not saved by "
+                    "ExpertParallelStrategy from a peft.get_peft_model LoRA model); drop --adapter to export the model."
+                )
+            out_dir = export_lora_adapter(
+                args.checkpoint,
+                args.out_dir,
+                hf_config_or_folder=args.config,
+                lora_config=lora_config,
+                prefix=args.prefix,
+            )
+        else:
+            out_dir = export_hf(
+                args.checkpoint,
+                args.out_dir,
+                hf_config_or_folder=args.config,
+                prefix=args.prefix,
+                lora_config=lora_config,
+            )
     except (OSError, ValueError) as error:  # what export_hf raises for bad inputs; see its docstring
         print(f"{parser.prog}: error: {_one_line(error)}", file=sys.stderr)
         return 1

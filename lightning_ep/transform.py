@@ -8,6 +8,7 @@ from torch import nn
 
 from lightning_ep.models.hf_compat import keep_hf_behaviour, refuse_transformers_expert_parallelism
 from lightning_ep.models.padding import watch_padding
+from lightning_ep.models.peft_lora import check_peft_model, check_router, peel_expert_adapters
 from lightning_ep.models.registry import family_for, find_moe_blocks, replace_module, supported_model_types
 from lightning_ep.moe.config import MoEConfig, config_differences
 from lightning_ep.moe.layer import MoELayer
@@ -54,6 +55,7 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
         return model
     if not moe_layers(model):
         refuse_transformers_expert_parallelism(model)
+        check_peft_model(model)
         family = family_for(model)
         blocks = find_moe_blocks(model, family)
         if not blocks:
@@ -62,8 +64,11 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
                 f"supported families: {supported_model_types()}. Is every layer dense?"
             )
         for index, (name, block) in enumerate(blocks):
-            layer = family.build_layer(block, model.config, config, index)  # type: ignore[arg-type]
-            _check_same_parameters(name, block, layer)
+            before = dict(block.named_parameters())
+            check_router(block, family.router_name, name)
+            adapters, renames = peel_expert_adapters(block, family.gate_up_proj.rpartition(".")[0], name)
+            layer = family.build_layer(block, model.config, config, index, adapters)  # type: ignore[arg-type]
+            _check_same_parameters(name, before, block, layer, renames)
             layer.train(block.training)
             replace_module(model, name, layer)
         keep_hf_behaviour(model)
@@ -100,12 +105,17 @@ def check_config_in_force(model: nn.Module, config: MoEConfig, *, asked_by: str,
             )
 
 
-def _check_same_parameters(name: str, block: nn.Module, layer: MoELayer) -> None:
-    """Strict check: the layer's parameters are exactly the block's (names, shapes, objects), and
+def _check_same_parameters(
+    name: str, before: dict[str, nn.Parameter], block: nn.Module, layer: MoELayer, renames: dict[str, str]
+) -> None:
+    """Strict check: the layer's parameters are exactly the block's ``before`` (names, shapes,
+    objects), but for ``renames`` (PEFT's expert adapters, see ``models.peft_lora``: the base weights
+    keep their objects under the new names, the LoRA factors are new expert-stacked parameters), and
     it keeps every persistent buffer of the block (e.g. DeepSeek's ``e_score_correction_bias``)."""
-    before = dict(block.named_parameters())
+    converted = {new for old, new in renames.items() if "lora_" in new and "lora_" in old}
+    before = {renames.get(k, k): v for k, v in before.items()}
     after = dict(layer.named_parameters())
-    if before.keys() != after.keys() or any(before[k] is not after[k] for k in before):
+    if before.keys() != after.keys() or any(before[k] is not after[k] for k in before if k not in converted):
         raise RuntimeError(
             f"adapter bug at {name}: block parameters {sorted(before)} became {sorted(after)}; "
             "the MoE layer must adopt every parameter of the block under the same name."

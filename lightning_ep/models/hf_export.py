@@ -45,6 +45,8 @@ def export_hf(
     *,
     hf_config_or_folder: Any,
     prefix: str | None = None,
+    lora_config: Any = None,
+    merge_lora: bool = True,
 ) -> Path:
     """Write a trained model as a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained``
     loads on one process.
@@ -87,6 +89,12 @@ def export_hf(
             or the Hugging Face folder holding it.
         prefix: what precedes the Hugging Face names in the keys (``"model."`` for ``self.model``);
             ``None`` detects it: the prefix under which the most keys are names of the config's model.
+        lora_config: for a run of a PEFT LoRA model, its ``LoraConfig`` (or its JSON, dict, or an adapter
+            folder): the adapter is merged into the weights by PEFT's ``merge_and_unload`` and the
+            folder holds the plain Hugging Face model (``lightning_ep.models.lora_export``). ``None``
+            takes a live model's own; ``python -m lightning_ep.export`` reads a checkpoint's.
+        merge_lora: ``False`` writes the base model of a LoRA run instead, without its adapter
+            (PEFT's ``unload``), e.g. for ``PeftModel.from_pretrained`` beside an exported adapter.
     Returns:
         ``out_dir`` as a ``Path``, on every rank.
     Raises:
@@ -105,6 +113,10 @@ def export_hf(
         raise TypeError(
             f"export_hf(source=...) must be a model, a state dict or a checkpoint path, got {type(source).__name__}."
         )
+    if lora_config is None and isinstance(source, nn.Module):
+        from lightning_ep.models.peft_lora import check_peft_model
+
+        lora_config = check_peft_model(source)
     distributed = dist.is_available() and dist.is_initialized()
     state = _gather_full_state(source) if isinstance(source, nn.Module) else None
     error: BaseException | None = None
@@ -112,6 +124,10 @@ def export_hf(
         try:
             if state is None:
                 state = _read_checkpoint(source)  # type: ignore[arg-type]
+            if lora_config is not None:
+                from lightning_ep.models.lora_export import merged_state
+
+                state, prefix = merged_state(state, config, lora_config, prefix, merge=merge_lora), ""
             _write_folder(state, out_dir, config, prefix, hf_config_or_folder)
         except Exception as err:  # re-raised below, after telling the other ranks
             error = err
@@ -244,6 +260,12 @@ def _write_folder(
         hf_model = AutoModelForCausalLM.from_config(config)
     expected = {key: tuple(t.shape) for key, t in hf_model.state_dict().items()}
     state = _strip_prefix(state, expected, prefix, config)
+    lora = [k for k in state if ".lora_" in k or "_lora_A" in k]
+    if lora:
+        raise ValueError(
+            f"export_hf: the checkpoint holds LoRA factors (e.g. {lora[0]!r}); pass lora_config= (the LoraConfig it "
+            "was trained with) to merge them, or export the adapter with python -m lightning_ep.export ... --adapter."
+        )
     state = _drop_library_buffers(state, expected)
     _check_keys(state, expected, config, hf_config_or_folder)
     hf_model.load_state_dict(state, strict=True, assign=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_ep.models.peft_lora import reset_lora_parameters
 from lightning_ep.moe.experts import RoutedExperts
 from lightning_ep.moe.router import TopKRouter
 
@@ -32,6 +33,8 @@ def init_moe_weights(model: nn.Module) -> None:
                 module.pending_load.zero_()
         elif isinstance(module, RoutedExperts):
             for name, param in module.named_parameters(recurse=False):
+                if "_lora_" in name:
+                    continue  # LoRA factors: reset_lora_parameters
                 if name.endswith("_bias"):
                     nn.init.zeros_(param)
                 else:
@@ -43,8 +46,9 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     """Allocate a meta-device (possibly sharded) model on ``device`` and initialise every weight.
 
     Dense modules get Hugging Face's own ``initialize_weights`` (linear, embedding, norms, rotary
-    buffers); MoE layers get ``init_moe_weights``. Ranks must share the torch seed so that
-    replicated values agree (DTensor random ops keep shards consistent on CUDA).
+    buffers); MoE layers get ``init_moe_weights``; LoRA factors (PEFT's and the experts') get PEFT's
+    initialisation of a new adapter (``models.peft_lora.reset_lora_parameters``). Ranks must share
+    the torch seed so that replicated values agree (DTensor random ops keep shards consistent on CUDA).
     """
     model.to_empty(device=device)
     for module in model.modules():
@@ -60,6 +64,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
             if callable(reset):
                 reset()
     init_moe_weights(model)
+    reset_lora_parameters(model)
     return model
 
 

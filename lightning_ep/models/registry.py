@@ -9,6 +9,7 @@ own ``Parameter`` objects, buffers and shared-expert modules.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.experts import GroupedExperts, RoutedExperts
 from lightning_ep.moe.experts_variants import InterleavedGLUExperts
 from lightning_ep.moe.layer import MoELayer
+from lightning_ep.moe.lora import ExpertLoRA, LoRAGroupedExperts
 from lightning_ep.moe.router import Scoring, TopKRouter
 
 ExpertLayout = Literal["gate_up", "interleaved"]
@@ -114,8 +116,16 @@ class MoEFamily:
         """The router's child name in the block (``gate``; GPT-OSS: ``router``)."""
         return self.router_weight.rpartition(".")[0]
 
-    def build_layer(self, block: nn.Module, hf_config: Any, config: MoEConfig, layer_index: int) -> MoELayer:
-        """A ``MoELayer`` computing what ``block`` computes, sharing its parameters and buffers."""
+    def build_layer(
+        self,
+        block: nn.Module,
+        hf_config: Any,
+        config: MoEConfig,
+        layer_index: int,
+        adapters: Mapping[str, ExpertLoRA] | None = None,
+    ) -> MoELayer:
+        """A ``MoELayer`` computing what ``block`` computes, sharing its parameters and buffers;
+        ``adapters``: LoRA on the expert weights (``LoRAGroupedExperts``; the ``"gate_up"`` layout only)."""
         gate = TopKRouter(
             block.get_parameter(self.router_weight),
             top_k=int(_field(hf_config, self.top_k, None)),
@@ -142,7 +152,7 @@ class MoEFamily:
         jitter = float(_field(hf_config, self.jitter, 0.0) or 0.0)
         layer = self.layer_class(
             gate,
-            self._build_experts(block, hf_config),
+            self._build_experts(block, hf_config, adapters or {}),
             config,
             jitter_noise=jitter,
             layer_index=layer_index,
@@ -154,12 +164,19 @@ class MoEFamily:
         layer._modules = dict(sorted(layer._modules.items(), key=lambda item: order.get(item[0], len(order))))
         return layer
 
-    def _build_experts(self, block: nn.Module, hf_config: Any) -> RoutedExperts:
-        experts = self._experts_of(block, hf_config)
+    def _build_experts(self, block: nn.Module, hf_config: Any, adapters: Mapping[str, ExpertLoRA]) -> RoutedExperts:
+        experts = self._experts_of(block, hf_config, adapters)
         keep_replaced(experts, block.get_submodule(self.gate_up_proj.rpartition(".")[0]))
         return experts
 
-    def _experts_of(self, block: nn.Module, hf_config: Any) -> RoutedExperts:
+    def _experts_of(self, block: nn.Module, hf_config: Any, adapters: Mapping[str, ExpertLoRA]) -> RoutedExperts:
+        if adapters and self.expert_layout != "gate_up":
+            raise ValueError(
+                f"transform(model): {self.name}'s experts ({self.expert_layout!r} layout, with biases) carry LoRA "
+                f"adapters on {sorted(adapters)}, and lightning_ep carries expert LoRA for the [E, out, in] layout "
+                "(Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3) only; leave the experts out of "
+                "LoraConfig(target_parameters=...) for this family."
+            )
         if self.expert_layout == "interleaved":
             return InterleavedGLUExperts(
                 block.get_parameter(self.gate_up_proj),
@@ -171,11 +188,11 @@ class MoEFamily:
             )
         from transformers.activations import ACT2FN
 
-        return GroupedExperts(
-            block.get_parameter(self.gate_up_proj),
-            block.get_parameter(self.down_proj),
-            ACT2FN[_field(hf_config, self.activation, None)],
-        )
+        act_fn = ACT2FN[_field(hf_config, self.activation, None)]
+        gate_up_proj, down_proj = block.get_parameter(self.gate_up_proj), block.get_parameter(self.down_proj)
+        if adapters:
+            return LoRAGroupedExperts(gate_up_proj, down_proj, act_fn, adapters)
+        return GroupedExperts(gate_up_proj, down_proj, act_fn)
 
 
 def _attribute(block: nn.Module, path: str) -> Any:

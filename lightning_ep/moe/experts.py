@@ -180,6 +180,14 @@ class RoutedExperts(nn.Module):
         weights = compute_weights(params, self.compute_dtype)
         i, j = gemm_weights
         grouped_ok = use_grouped(x_NH, counts_L, weights[i], weights[j], self.use_grouped_mm)
+        if grouped_ok and not self.grouped_mm_runs(x_NH, weights):
+            if self.use_grouped_mm:
+                raise RuntimeError(
+                    f"use_grouped_mm=True but grouped_mm cannot run for {type(self).__name__}'s operands "
+                    f"({[tuple(w.shape) for w in weights]}, {x_NH.dtype}): rows must be 16-byte aligned; "
+                    "use_grouped_mm=None falls back to a loop."
+                )
+            grouped_ok = False
         if grouped_ok and not self.prefers_per_expert(x_NH, counts_host, weights[i]):
             return grouped(x_NH, counts_L, weights, self.grad_scale)
         if torch.compiler.is_compiling() and counts_host is None:
@@ -198,6 +206,11 @@ class RoutedExperts(nn.Module):
         # A padded dispatch (symmetric memory with a row budget): the padding rows come out as zeros.
         y_NH = loop(x_NH[:rows], counts, weights, self.grad_scale)
         return torch.cat([y_NH, y_NH.new_zeros((x_NH.shape[0] - rows, *y_NH.shape[1:]))])
+
+    def grouped_mm_runs(self, x_NH: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+        """Whether ``grouped_mm`` runs for operands beyond the two GEMM weights ``run`` checks (a
+        subclass with more GEMMs, as ``LoRAGroupedExperts``, checks its own)."""
+        return True
 
     def expert(self, x_nH: torch.Tensor, e: int, weights: list[torch.Tensor]) -> torch.Tensor:
         """Local expert ``e`` on rows ``x_nH`` (``weights``: the local, cast parameters)."""

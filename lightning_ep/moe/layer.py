@@ -453,7 +453,15 @@ class MoELayer(nn.Module):
 
     def _check_hf_experts(self) -> None:
         """transformers' experts implementations are dropless and hold every expert: refuse them here
-        when the layer splits its experts across ranks or bounds them by a capacity."""
+        when the layer splits its experts across ranks or bounds them by a capacity, and on experts
+        with LoRA adapters, which they would leave out."""
+        if getattr(self.experts, "lora_scaling", None):
+            raise ValueError(
+                f"MoE layer {self.layer_index}: the model's config._experts_implementation is "
+                f"{self.hf_experts.implementation!r}, one of transformers' implementations, which would compute the "
+                "experts without their LoRA adapters. Call model.set_experts_implementation('lightning_ep') to use "
+                "lightning_ep's experts."
+            )
         if isinstance(self.dispatcher, LocalDispatcher):
             return
         raise ValueError(

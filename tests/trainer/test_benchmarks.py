@@ -71,6 +71,8 @@ def test_bench_step_runs_the_baseline_and_this_library(tmp_path: Path) -> None:
         "ep:a2a@root-head",
         "ep:a2a+dedup",
         "ep:a2a+adamw",
+        "grouped_mm+lora",
+        "ep:a2a+lora",
     ]
     text = _run(
         "bench_step.py",
