@@ -94,6 +94,7 @@ class Environment:
     replicate_degree: int = 1
     precision: str = "32-true"
     activation_checkpointing: bool | str = False
+    lora_experts: bool = False  # LoRA adapters on the experts (PEFT's target_parameters)
 
     @property
     def world_size(self) -> int:
@@ -320,6 +321,8 @@ def _graphs_blocker(env: Environment, moe: MoEConfig, *, symmetric: bool, budget
         return "no activation checkpointing"
     if moe.capacity_factor is not None:
         return "a dropless dispatch (capacity_factor is set)"
+    if env.lora_experts:
+        return "experts without LoRA adapters (the graphs capture the base weights only)"
     if env.degree != env.world_size:
         return f"expert weights that stay in place (degree {env.degree} = world size {env.world_size})"
     if env.degree > 1 and not (symmetric and budget is not None):

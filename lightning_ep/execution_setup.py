@@ -37,8 +37,8 @@ def with_compile_layers(execution: Execution, compile_layers: bool | None) -> Ex
     return replace(execution, compile=compile_layers)
 
 
-def environment(strategy: ExpertParallelStrategy) -> Environment:
-    """What ``strategy`` runs on, once its mesh is built."""
+def environment(strategy: ExpertParallelStrategy, hf_model: nn.Module | None = None) -> Environment:
+    """What ``strategy`` runs on, once its mesh is built, for ``hf_model`` (PEFT-wrapped or not)."""
     degree = strategy.degree
     assert isinstance(degree, int)
     return Environment(
@@ -50,7 +50,15 @@ def environment(strategy: ExpertParallelStrategy) -> Environment:
         replicate_degree=strategy.replicate_degree,
         precision=str(strategy.precision_plugin.precision),
         activation_checkpointing=strategy.activation_checkpointing,
+        lora_experts=hf_model is not None and _has_expert_adapters(hf_model),
     )
+
+
+def _has_expert_adapters(model: nn.Module) -> bool:
+    """LoRA on 3-D expert weights: PEFT's parameter wrappers, or their factors carried into the experts."""
+    from lightning_ep.moe.lora import LoRAGroupedExperts
+
+    return any(isinstance(m, LoRAGroupedExperts) or type(m).__name__ == "ParamWrapper" for m in model.modules())
 
 
 def resolve_for(strategy: ExpertParallelStrategy, hf_model: nn.Module) -> Resolved:
@@ -58,7 +66,7 @@ def resolve_for(strategy: ExpertParallelStrategy, hf_model: nn.Module) -> Resolv
     strategy saw it, the MoE layers' choices are those they were built with."""
     built = [layer.config for layer in moe_layers(hf_model)]
     moe = built[0] if built else strategy.moe
-    return resolve(merge(strategy.execution, moe), environment(strategy), moe)
+    return resolve(merge(strategy.execution, moe), environment(strategy, hf_model), moe)
 
 
 def layers_config(hf_model: nn.Module, resolved: Resolved | None, moe: MoEConfig) -> MoEConfig:
