@@ -119,7 +119,7 @@ def variant(name: str) -> Iterator[None]:
       ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it);
     - ``padded-rows``: a static plan's padding rows copied into the symmetric buffer and run
       through the SwiGLU kernels like the received ones, and rows pulled in blocks of 1024
-      elements (the symmetric-memory dispatch before Session 10);
+      elements (the earlier symmetric-memory dispatch);
     - ``torch-sinkhorn``: Sinkhorn's iterations in torch (about a dozen launches each), not the fused
       kernels (one launch in all, ``lightning_ep.moe.sinkhorn``).
     """
