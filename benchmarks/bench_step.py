@@ -39,7 +39,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
 ``W`` GPUs). Reported per GPU: tokens/s, model TFLOP/s (``_common.model_flops_per_token``),
-MFU against a dense bf16 GEMM timed in this process, peak memory allocated.
+MFU against a dense bf16 GEMM timed in this process, peak memory allocated, and the first step's
+seconds (compilation and CUDA-graph warm-up included: what a user waits before training runs).
 
     torchrun --nproc-per-node 2 benchmarks/bench_step.py --shape coarse --rows eager grouped_mm ep:a2a ep:allgather
     python benchmarks/bench_step.py --shape fine --rows ep:a2a grouped_mm+lora ep:a2a+lora   # LoRA beside full FT
@@ -294,8 +295,10 @@ def _callback(warmup: int, steps: int, device: torch.device, profile: bool, trac
 
         def __init__(self) -> None:
             self.seconds = float("nan")
+            self.first_step = float("nan")  # the first training step, compilation and capture included
             self.peak = 0
             self._t0 = 0.0
+            self._first0 = 0.0
             self.profile: dict[str, float] = {}
             self._prof: Any = None
 
@@ -304,6 +307,9 @@ def _callback(warmup: int, steps: int, device: torch.device, profile: bool, trac
                 torch.cuda.synchronize(device)
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0:
+                self._sync()
+                self._first0 = time.perf_counter()
             if batch_idx == warmup:
                 self._sync()
                 if device.type == "cuda":
@@ -321,6 +327,9 @@ def _callback(warmup: int, steps: int, device: torch.device, profile: bool, trac
                 self._t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, module: Any, out: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0:
+                self._sync()
+                self.first_step = time.perf_counter() - self._first0
             if batch_idx == warmup + steps - 1:
                 self._sync()
                 self.seconds = time.perf_counter() - self._t0
@@ -439,16 +448,24 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
     with variant(code or "fast"):
         trainer.fit(module, data)
 
-    stats = torch.tensor([clock.seconds, float(clock.peak - held)], dtype=torch.float64, device=device)
+    stats = torch.tensor(
+        [clock.seconds, float(clock.peak - held), clock.first_step], dtype=torch.float64, device=device
+    )
     if dist.is_initialized():
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    seconds, peak = stats.tolist()
+    seconds, peak, first_step = stats.tolist()
     tokens_per_gpu = batch * args.seq * args.steps / (world() if base == "hf_ep" else 1)
     del trainer, module, data
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"seconds": seconds, "tokens_per_gpu": tokens_per_gpu, "peak": peak, "profile": clock.profile}
+    return {
+        "seconds": seconds,
+        "tokens_per_gpu": tokens_per_gpu,
+        "peak": peak,
+        "first step s": first_step,
+        "profile": clock.profile,
+    }
 
 
 def save_pretrained_once(shape: Shape, seq: int, device: torch.device, folder: str) -> None:
@@ -560,6 +577,7 @@ def main() -> None:
             "TFLOP/s/GPU": tflops,
             "MFU %": 100 * tflops / dense,
             "step s": result["seconds"] / args.steps,
+            "first step s": result["first step s"],
             "peak GiB": result["peak"] / 2**30,
             "status": "ok",
         }

@@ -126,7 +126,8 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
     their values (Hugging Face checkpoints have none).
 
     Args:
-        model: a materialised Hugging Face model, sharded or not, transformed or not.
+        model: a materialised Hugging Face model, sharded or not, transformed or not, wrapped by
+            PEFT's LoRA or not (the adapters keep their initial values).
         folder: a folder written by ``save_pretrained`` (``model.safetensors`` or several shard
             files with ``model.safetensors.index.json``), from a model of the same config.
     Returns:
@@ -181,9 +182,27 @@ def _tensors_to_load(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     library = {name for name, _ in model.named_buffers() if name.rpartition(".")[2] in LIBRARY_BUFFERS}
     groups: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if name not in library and isinstance(tensor, torch.Tensor):
-            groups.setdefault(id(tensor), ([], tensor))[0].append(name)
+        if name in library or not isinstance(tensor, torch.Tensor) or _is_adapter(name):
+            continue
+        groups.setdefault(id(tensor), ([], tensor))[0].append(_base_name(name))
     return list(groups.values())
+
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def _is_adapter(name: str) -> bool:
+    """A PEFT LoRA factor (``q_proj.lora_A.default.weight``, an expert's ``gate_up_proj_lora_A``):
+    not in a base model's folder; it keeps its initial values."""
+    return any(part.startswith("lora_") or "_lora_" in part for part in name.split("."))
+
+
+def _base_name(name: str) -> str:
+    """The Hugging Face name of a parameter of a PEFT-wrapped model: without PEFT's
+    ``base_model.model.`` prefix and the ``base_layer`` its LoRA layers wrap."""
+    if name.startswith(_PEFT_PREFIX):
+        name = name[len(_PEFT_PREFIX) :]
+    return name.replace(".base_layer.", ".")
 
 
 def _local_shard(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

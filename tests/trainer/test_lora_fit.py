@@ -88,3 +88,47 @@ def test_lora_example_in_bf16(tmp_path: Path, precision: str) -> None:
         "--trainer.gradient_clip_val",
         "null",
     )
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_lora_on_a_fine_grained_family_through_the_trainer(tmp_path: Path, precision: str) -> None:
+    """Qwen3-MoE (many small experts, no shared expert) with LoRA on attention and both expert weights,
+    through the example's Trainer run at degree 2 with activation checkpointing, from a saved folder."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=128, decoder_sparse_step=1, mlp_only_layers=[],
+    )  # fmt: skip
+    folder = tmp_path / "qwen3"
+    Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    out = _run(
+        tmp_path,
+        str(SCRIPT),
+        "fit",
+        "--config",
+        str(CONFIG),
+        "--model.model",
+        "null",
+        "--model.pretrained",
+        str(folder),
+        "--trainer.devices",
+        "2",
+        "--trainer.precision",
+        precision,
+        "--trainer.max_steps",
+        "2",
+        "--trainer.callbacks",
+        "null",
+        "--trainer.gradient_clip_val",
+        "null",
+        "--trainer.log_every_n_steps",
+        "1",
+    )
+    assert "Traceback" not in out
+    lines = next((tmp_path / "runs" / "tiny_lora").rglob("metrics.csv")).read_text().splitlines()
+    column = lines[0].split(",").index("train_loss")
+    losses = [float(row.split(",")[column]) for row in lines[1:] if row.split(",")[column]]
+    assert len(losses) == 2 and all(0 < loss < 20 for loss in losses), losses

@@ -155,3 +155,23 @@ def test_transformers_experts_implementation_on_lora_experts_is_refused() -> Non
     ids = _ids()
     with pytest.raises(ValueError, match=r"without their LoRA adapters.*set_experts_implementation\('lightning_ep'\)"):
         model(input_ids=ids)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_pretrained_weights_load_into_a_peft_wrapped_model(tmp_path: Path, model_type: str) -> None:
+    """``from_pretrained`` + ``get_peft_model`` in ``configure_model``: the base weights come from the
+    folder (under PEFT's ``base_model.model.`` and ``base_layer`` names), the adapters keep their values."""
+    from lightning_ep.models.hf_io import load_pretrained_sharded
+
+    tiny_base(model_type, seed=0).save_pretrained(tmp_path)
+    saved = {k: v.clone() for k, v in tiny_base(model_type, seed=0).state_dict().items()}
+    model = lightning_ep.transform(tiny_peft(model_type, seed=5), MoEConfig())
+    adapters = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+    assert adapters
+    load_pretrained_sharded(model, tmp_path)
+    state = model.state_dict()
+    for key, value in adapters.items():
+        assert torch.equal(state[key], value), key
+    base = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in state.items()}
+    for key, value in saved.items():
+        assert torch.equal(base[key], value), key
