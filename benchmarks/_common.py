@@ -200,7 +200,7 @@ def grouped_gemm_fwd_bwd_ms(
 ) -> float:
     """Forward + backward of the two expert GEMMs alone (``[M, H] x [L, H, 2I]`` then
     ``[M, I] x [L, I, H]``), with these rows per expert: ``18 * M * H * I`` FLOPs."""
-    from lightning_ep.moe.experts import GROUPED_MM
+    from lightning_ep.moe.experts.grouped import GROUPED_MM
 
     L, M = len(counts_L), int(sum(counts_L))
     g = torch.Generator(device=device).manual_seed(1)

@@ -9,18 +9,15 @@ from typing import Any
 
 import torch
 
-from lightning_ep.moe import (
-    GroupedExperts,
-    combine,
-    dispatch,
-    dispatch_ep,
-    dispatch_symm,
-    experts,
-    grouped_mlp,
-    router,
-    swiglu,
-    symm_pull,
-)
+from lightning_ep.moe import GroupedExperts
+from lightning_ep.moe.dispatch import all_to_all as dispatch_ep
+from lightning_ep.moe.dispatch import base as dispatch
+from lightning_ep.moe.dispatch import combine, symm_pull
+from lightning_ep.moe.dispatch import symmetric as dispatch_symm
+from lightning_ep.moe.experts import grouped as experts
+from lightning_ep.moe.experts import mlp as grouped_mlp
+from lightning_ep.moe.kernels import swiglu
+from lightning_ep.moe.routing import router
 from lightning_ep.parallel import compile as compiling
 from lightning_ep.parallel import fsdp
 
@@ -121,7 +118,7 @@ def variant(name: str) -> Iterator[None]:
       through the SwiGLU kernels like the received ones, and rows pulled in blocks of 1024
       elements (the earlier symmetric-memory dispatch);
     - ``torch-sinkhorn``: Sinkhorn's iterations in torch (about a dozen launches each), not the fused
-      kernels (one launch in all, ``lightning_ep.moe.sinkhorn``).
+      kernels (one launch in all, ``lightning_ep.moe.kernels.sinkhorn``).
     """
     patches: dict[str, Any] = {}
     if name in ("unfused-swiglu", "reference"):

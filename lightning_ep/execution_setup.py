@@ -56,7 +56,7 @@ def environment(strategy: ExpertParallelStrategy, hf_model: nn.Module | None = N
 
 def _has_expert_adapters(model: nn.Module) -> bool:
     """LoRA on 3-D expert weights: PEFT's parameter wrappers, or their factors carried into the experts."""
-    from lightning_ep.moe.lora import LoRAGroupedExperts
+    from lightning_ep.moe.experts.lora import LoRAGroupedExperts
 
     return any(isinstance(m, LoRAGroupedExperts) or type(m).__name__ == "ParamWrapper" for m in model.modules())
 

@@ -26,8 +26,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from lightning_ep.moe.experts import local_tensor
-from lightning_ep.moe.lazy_triton import lazy_kernels
+from lightning_ep.moe.experts.grouped import local_tensor
+from lightning_ep.moe.kernels.lazy_triton import lazy_kernels
 
 try:
     from torch.distributed.tensor import DTensor

@@ -49,7 +49,7 @@ from lightning_ep.parallel.fsdp import (
 )
 from lightning_ep.parallel.mesh import check_layout, init_mesh
 from lightning_ep.step_checks import StepChecks, check_before_step, use_mesh_aware_clipping
-from lightning_ep.strategy_args import check_arguments, check_devices, check_precision
+from lightning_ep.strategy_args import check_arguments, check_can_checkpoint, check_devices, check_precision
 from lightning_ep.transform import check_config_in_force, moe_layers, transform
 
 if TYPE_CHECKING:
@@ -84,37 +84,28 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         execution: how the step runs, never what it computes (``lightning_ep.Execution``): compiled
             dense parts, CUDA graphs, the token exchange, fused AdamW. Every choice is automatic by
             default and printed once at setup on rank 0 in a short table; force one there.
-        compile_layers: deprecated, ``execution=Execution(compile=...)``: ``torch.compile`` the dense
-            parts of each decoder layer, each MoE layer's routing and the loss (see
-            ``lightning_ep.parallel.compile``; with ``MoEConfig(smp_moe=False)`` the model's own MoE
-            blocks are compiled whole). Results agree with eager to float rounding, not bitwise; the
-            model's ``config.use_cache`` is set to ``False`` (no KV cache in training).
+        compile_layers: deprecated; ``execution=Execution(compile=...)`` (``lightning_ep.execution``).
         save_distributed_checkpoint: ``True`` saves one shard per rank (resumable at any degree);
             ``False`` gathers a single full checkpoint on rank 0. Either records ``moe`` and the MoE
             shape (experts, top-k, MoE layers, model type; see ``lightning_ep.checkpoints``).
-        allow_moe_config_change: ``MoEConfig`` fields (e.g. ``["moe_load_balancing"]`` to switch
-            the balancing mode for the next phase of training) or MoE shape entries (``num_experts``,
-            ``top_k``, ``num_moe_layers``, ``model_type``) that may differ from what a resumed
-            checkpoint records; any other difference is refused before a weight is loaded. The
-            ``EXECUTION_FIELDS`` of ``lightning_ep.moe.config`` (``token_dedup``, ...) may always differ.
+        allow_moe_config_change: ``MoEConfig`` fields (``["moe_load_balancing"]`` to switch balancing
+            for the next phase) or MoE shape entries (``num_experts``, ``top_k``, ``num_moe_layers``,
+            ``model_type``) that may differ from a resumed checkpoint's record; any other difference is
+            refused before a weight is loaded (execution fields may always differ).
         log_moe_losses: log the per-layer and total aux and z losses at each optimizer step (their
             mean over the step's micro-batches; after each ``training_step`` under manual optimization).
         check_finite: raise ``FloatingPointError`` naming the MoE layer and the step if a router
             logit or a layer output of a training forward was NaN or infinite, before the optimizer
-            step that would apply its gradients (right after ``training_step`` under manual
-            optimization). The flags ride on the loss-logging all-reduce and are read once the
-            backward has been launched, so the host never stalls the GPU between forward and
-            backward; ``False`` skips it.
+            step that would apply its gradients; the flags ride on the loss-logging all-reduce and
+            are read after backward was launched (no stall between forward and backward).
         deterministic: ``torch.use_deterministic_algorithms(True)`` for the run; with the same seed,
             two CPU runs give bitwise-identical losses (see the README for GPU).
         tensor_parallel_size: must be 1; tensor parallelism alongside EP is not supported.
         process_group_backend: ``"nccl"``, ``"gloo"``, or ``None`` for the device's default.
         timeout: collective timeout (a ``datetime.timedelta``).
-        moe_model: attribute path of the Hugging Face MoE model to parallelise inside the
-            LightningModule (``"model"``, ``"policy"``); needed only when it holds several (a policy
-            and a frozen reference). The other MoE models must be frozen and stay whole on every
-            rank; trainable modules outside them (a value head) are sharded with FSDP2 over all
-            ranks (see ``lightning_ep.model_selection``).
+        moe_model: attribute path of the Hugging Face MoE model to parallelise (``"model"``,
+            ``"policy"``) when the module holds several; the others stay frozen and whole, trainable
+            modules outside them are FSDP2-sharded (``lightning_ep.model_selection``).
         plan_batch: ``(micro_batch, seq)`` per GPU that ``degree="auto"`` plans the memory for.
 
     A configuration error is raised in full on rank 0 and as a one-line note on the other ranks
@@ -298,21 +289,16 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     def _parallelize(self, hf_model: nn.Module) -> None:
         """Transform, optionally checkpoint, and shard ``hf_model`` (idempotent)."""
         self._hf_model = hf_model
-        fix = "drop the transform() call (the strategy transforms with its moe=) or give the strategy the same config"
         with shown_once(self.global_rank):
+            fix = "drop the transform() call (the strategy transforms with its moe=) or pass it the same config"
             check_config_in_force(hf_model, self.moe, asked_by="ExpertParallelStrategy(moe=...)", fix=fix)
         if any(isinstance(p, DTensor) for p in hf_model.parameters()):
             return
         mesh = self.device_mesh
         if self.activation_checkpointing:
-            enable = getattr(hf_model, "gradient_checkpointing_enable", None)
-            if not callable(enable):
-                raise TypeError(
-                    f"ExpertParallelStrategy(activation_checkpointing={self.activation_checkpointing!r}): "
-                    f"{type(hf_model).__name__} has no "
-                    "gradient_checkpointing_enable(); pass a Hugging Face model or activation_checkpointing=False."
-                )
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            check_can_checkpoint(hf_model, self.activation_checkpointing)
+            enable_checkpointing = hf_model.gradient_checkpointing_enable
+            enable_checkpointing(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
         if self.moe.smp_moe:
             with shown_once(self.global_rank):  # a degree that does not divide the expert count
                 transform(hf_model, layers_config(hf_model, self.resolved, self.moe), mesh=mesh)
@@ -385,8 +371,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             if clear is None:
                 raise
             raise clear from error
-
-    # ----------------------------------------------------------------------------- training
 
     @contextmanager
     @override

@@ -115,3 +115,12 @@ def check_devices(degree: int, replicate_degree: int, *, devices: int, num_nodes
             f"ExpertParallelStrategy(degree={degree}, replicate_degree={replicate_degree}) with "
             f"Trainer(devices={devices}, num_nodes={num_nodes}): {error}"
         ) from None
+
+
+def check_can_checkpoint(hf_model: Any, mode: Any) -> None:
+    """Activation checkpointing goes through Hugging Face's ``gradient_checkpointing_enable``."""
+    if not callable(getattr(hf_model, "gradient_checkpointing_enable", None)):
+        raise TypeError(
+            f"ExpertParallelStrategy(activation_checkpointing={mode!r}): {type(hf_model).__name__} has no "
+            "gradient_checkpointing_enable(); pass a Hugging Face model or activation_checkpointing=False."
+        )

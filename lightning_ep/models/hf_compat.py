@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_ep.moe.dispatch.base import LocalDispatcher
 from lightning_ep.moe.layer import MoELayer
 
 _ROUTER_LOGITS = "router_logits"
@@ -155,6 +156,26 @@ class TransformersExperts:
     def active(self) -> bool:
         """Whether the config names one of transformers' implementations."""
         return self.implementation != EXPERTS_IMPLEMENTATION
+
+    def check_runs_in(self, layer: MoELayer) -> None:
+        """transformers' experts implementations are dropless and hold every expert: refuse them in a
+        layer that splits its experts across ranks or bounds them by a capacity, and on experts with
+        LoRA adapters, which they would leave out."""
+        if getattr(layer.experts, "lora_scaling", None):
+            raise ValueError(
+                f"MoE layer {layer.layer_index}: the model's config._experts_implementation is "
+                f"{self.implementation!r}, one of transformers' implementations, which would compute the "
+                "experts without their LoRA adapters. Call model.set_experts_implementation('lightning_ep') to use "
+                "lightning_ep's experts."
+            )
+        if isinstance(layer.dispatcher, LocalDispatcher):
+            return
+        raise ValueError(
+            f"MoE layer {layer.layer_index}: the model's config._experts_implementation is "
+            f"{self.implementation!r}, one of transformers' implementations, which compute every expert "
+            f"on one process without a capacity; this layer's dispatch is {type(layer.dispatcher).__name__}. Call "
+            "model.set_experts_implementation('lightning_ep') to use lightning_ep's experts."
+        )
 
     def __call__(
         self, experts: nn.Module, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor

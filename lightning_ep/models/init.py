@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from lightning_ep.models.peft_lora import reset_lora_parameters
-from lightning_ep.moe.experts import RoutedExperts
-from lightning_ep.moe.router import TopKRouter
+from lightning_ep.moe.experts.grouped import RoutedExperts
+from lightning_ep.moe.routing.router import TopKRouter
 
 
 def _std(model: nn.Module) -> float:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ep.moe.lora import ADAPTABLE, ExpertLoRA, LoRAGroupedExperts, lora_names
+from lightning_ep.moe.experts.lora import ADAPTABLE, ExpertLoRA, LoRAGroupedExperts, lora_names
 
 #: The fix every refusal of an adapter on the router shares.
 _ROUTER_FIX = (

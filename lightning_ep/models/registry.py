@@ -18,11 +18,11 @@ from torch import nn
 
 from lightning_ep.models.hf_compat import keep_replaced
 from lightning_ep.moe.config import MoEConfig
-from lightning_ep.moe.experts import GroupedExperts, RoutedExperts
-from lightning_ep.moe.experts_variants import InterleavedGLUExperts
+from lightning_ep.moe.experts.grouped import GroupedExperts, RoutedExperts
+from lightning_ep.moe.experts.lora import ExpertLoRA, LoRAGroupedExperts
+from lightning_ep.moe.experts.variants import InterleavedGLUExperts
 from lightning_ep.moe.layer import MoELayer
-from lightning_ep.moe.lora import ExpertLoRA, LoRAGroupedExperts
-from lightning_ep.moe.router import Scoring, TopKRouter
+from lightning_ep.moe.routing.router import Scoring, TopKRouter
 
 ExpertLayout = Literal["gate_up", "interleaved"]
 
@@ -45,7 +45,7 @@ class MoEFamily:
         score_correction_bias: path of the selection-only bias buffer ``[E]`` (DeepSeek-V3's
             ``gate.e_score_correction_bias``), or ``None``.
         scoring: the router's scoring, ``"softmax"``, ``"sigmoid"`` or ``"topk_softmax"`` (see
-            ``lightning_ep.moe.router``).
+            ``lightning_ep.moe.routing.router``).
         top_k: config field with the experts per token.
         normalize_weights: config field (or a fixed bool) deciding top-k renormalisation.
         n_group: config field with the number of expert groups (group-limited top-k).

@@ -88,7 +88,7 @@ class MoEConfig:
             and the dispatch needs no host sync at all (see there).
         token_dedup: dropless all-to-all only: send each token once to every rank that holds one of
             its experts (and copy it to those experts there) instead of once per expert; the
-            dispatch's gradient comes back summed per rank, in fp32 (``lightning_ep.moe.dedup``).
+            dispatch's gradient comes back summed per rank, in fp32 (``lightning_ep.moe.dispatch.dedup``).
             Same math, fewer bytes and HBM passes when a token's K experts share ranks (many small
             experts, small degree), more when they do not (the fp32 gradient is twice the bytes).
             Measured on 2 x H200 at Qwen3-30B-like shapes (degree 2, ``benchmarks/RESULTS.md``): 5%
@@ -97,7 +97,7 @@ class MoEConfig:
         symmetric_memory_dispatch: dropless all-to-all within one node only: instead of NCCL
             all-to-all, each GPU reads the rows it needs straight from the other GPUs' memory, in the
             order its experts take them (CUDA symmetric memory over NVLink;
-            ``lightning_ep.moe.dispatch_symm``). Same numbers bit for bit, fewer copies of every row.
+            ``lightning_ep.moe.dispatch.symmetric``). Same numbers bit for bit, fewer copies of every row.
             Needs CUDA, Triton and every rank of an expert-parallel group on one node; holds one
             buffer per group of about ``1.25 x (T + M) x H`` elements (``M``: the most rows a rank's
             experts received so far). Off by default; measured on 2 x H200 at Qwen3-30B-like shapes

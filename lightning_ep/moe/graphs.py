@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lightning_ep.moe.experts import RoutedExperts, grouped_mm_supported, local_tensor
+from lightning_ep.moe.experts.grouped import RoutedExperts, grouped_mm_supported, local_tensor
 
 #: Eager training calls of a layer before its graphs are captured.
 WARMUP = 2

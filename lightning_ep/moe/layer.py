@@ -8,22 +8,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lightning_ep.moe.config import MoEConfig
-from lightning_ep.moe.dispatch import Dispatcher, LocalDispatcher, count_ids
-from lightning_ep.moe.dispatchers import make_dispatcher
-from lightning_ep.moe.experts import RoutedExperts
-from lightning_ep.moe.losses import attach_losses, load_balancing_loss, z_loss
-from lightning_ep.moe.rng import DrawCounter, in_backward, make_generator
-from lightning_ep.moe.router import TopKRouter
-from lightning_ep.moe.tokens import TokenBatch, gather_counts, positions_in_sequence
+from lightning_ep.moe.dispatch.base import Dispatcher, LocalDispatcher, count_ids, dispatch
+from lightning_ep.moe.dispatch.select import make_dispatcher
+from lightning_ep.moe.experts.grouped import RoutedExperts
+from lightning_ep.moe.routing.losses import attach_losses
+from lightning_ep.moe.routing.rng import DrawCounter, ForwardRecords, in_backward, make_generator
+from lightning_ep.moe.routing.route import RouterLogits, RouterStats, all_finite, route
+from lightning_ep.moe.routing.router import TopKRouter
+from lightning_ep.moe.tokens import LayerTokens, TokenBatch, origin_weights, select_tokens
 
 if TYPE_CHECKING:
-    from lightning_ep.moe.dispatch_ep import KeptExchange, TokenShuffle
+    from lightning_ep.moe.dispatch.all_to_all import KeptExchange, TokenShuffle
     from lightning_ep.moe.graphs import LayerGraphs
 
 _JITTER_STREAM = 0
@@ -32,103 +33,6 @@ _MAX_KEPT = 4  # KeptExchange entries per layer awaiting their recomputation
 _MAX_TOKEN_BATCHES = 64  # token batches of training forwards awaiting their recomputation, as DrawCounter
 # The layer's roles for its children; ``MoELayer(child_names=...)`` maps them to Hugging Face names.
 _ROLES = {"gate": "gate", "shared_experts": "shared_experts", "shared_experts_gate": "shared_experts_gate"}
-
-
-class RouterStats(NamedTuple):
-    """What the layer keeps of one routing: the load-balancing and z-losses (0-dim, with grad), the
-    router entropy (0-dim, detached), when checked whether every router logit is finite, and the router
-    logits ``[T, E]`` themselves (with grad; see ``MoELayer.router_logits``)."""
-
-    aux_loss: torch.Tensor
-    z_loss: torch.Tensor
-    entropy: torch.Tensor
-    logits_finite: torch.Tensor | None
-    logits_TE: torch.Tensor
-
-
-class RouterLogits(nn.Module):
-    """The identity on a layer's ``[T, E]`` router logits (one row per position of the layer's input,
-    zeros at padded positions, the shuffle undone). The layer holds it outside its children (no state,
-    and the children stay the Hugging Face block's) and calls it only while it has forward hooks:
-    Hugging Face's ``output_router_logits`` records router logits with one (``models.hf_compat``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        #: Whether the hooks want this call's logits (``None``: always); set with the hooks.
-        self.wanted: Any = None
-
-    def forward(self, logits_TE: torch.Tensor) -> torch.Tensor:
-        return logits_TE
-
-    def active(self) -> bool:
-        """Whether a call would be recorded: hooks are installed and they want it."""
-        return bool(self._forward_hooks) and (self.wanted is None or self.wanted())
-
-
-class LayerTokens(NamedTuple):
-    """Which tokens one call of a layer routes, and what its dispatch needs to know of them.
-
-    Attributes:
-        real_N: int64 positions of the real tokens in the flattened input, when padding is left out
-            of the call (eager: the rows are selected, the output scattered back); ``None``: all.
-        valid_T: bool, ``False`` at padded tokens, when the call keeps its shapes instead (traced by
-            ``torch.compile``); ``None`` otherwise.
-        positions_T: each routed token's position in its sequence (the ``"position"`` drop policy).
-        group_tokens: every expert-parallel rank's token count, when the dispatch or the token shuffle
-            needs it (ranks may hold different numbers of tokens).
-    """
-
-    real_N: torch.Tensor | None
-    valid_T: torch.Tensor | None
-    positions_T: torch.Tensor | None
-    group_tokens: list[int] | None
-
-
-def route(
-    gate: TopKRouter,
-    x_TH: torch.Tensor,
-    check_finite: bool,
-    valid_T: torch.Tensor | None = None,
-    z_weight_T: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
-    """Route ``x_TH`` and compute the statistics kept of it, in one pure function (so that
-    ``MoELayer.compile_routing`` compiles it whole).
-
-    ``valid_T`` (bool, ``False`` at padded tokens, whose rows are zero): padded tokens take no part
-    in the losses, the entropy and Sinkhorn, get combine weight 0, and are spread over the experts
-    (token ``t``'s ``k``-th choice is expert ``(t * K + k) % E``, whatever its content), so that
-    their content changes nothing and they load no expert more than another. ``z_weight_T``: each
-    token's weight in the z-loss (see ``losses.z_loss``).
-
-    Returns:
-        ``expert_ids_TK`` (int64), ``weights_TK`` (router dtype) and the ``RouterStats``.
-    """
-    routing = gate(x_TH, valid_T)
-    probs_TE, expert_ids_TK, weights_TK = routing.probs_TE, routing.expert_ids_TK, routing.weights_TK
-    if valid_T is not None:
-        num_tokens, top_k = expert_ids_TK.shape
-        spread_TK = torch.arange(num_tokens * top_k, device=x_TH.device).view(num_tokens, top_k) % gate.num_experts
-        expert_ids_TK = torch.where(valid_T[:, None], expert_ids_TK, spread_TK)
-        weights_TK = torch.where(valid_T[:, None], weights_TK, 0.0)
-    aux = load_balancing_loss(probs_TE, expert_ids_TK, valid_T)
-    zl = z_loss(routing.logits_TE, valid_T, z_weight_T)
-    entropy = mean_entropy(probs_TE.detach(), valid_T)
-    finite = torch.isfinite(routing.logits_TE.detach()).all() if check_finite else None
-    return expert_ids_TK, weights_TK, RouterStats(aux, zl, entropy, finite, routing.logits_TE)
-
-
-def mean_entropy(probs_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
-    """0-dim mean over (real, ``valid_T``) tokens of the entropy (nats) of each row of ``probs_TE``."""
-    # entr(p) = -p log p with entr(0) = 0, and no NaN for a rank without tokens.
-    entropy_T = torch.special.entr(probs_TE).sum(dim=-1)
-    if valid_T is None:
-        return entropy_T.sum() / max(probs_TE.shape[0], 1)
-    return torch.where(valid_T, entropy_T, 0.0).sum() / valid_T.sum().clamp_min(1)
-
-
-def all_finite(x: torch.Tensor) -> torch.Tensor:
-    """0-dim bool: no NaN or infinity in ``x``."""
-    return torch.isfinite(x.detach()).all()
 
 
 class MoELayer(nn.Module):
@@ -141,13 +45,10 @@ class MoELayer(nn.Module):
     router), and their parameters are the block's own ``Parameter`` objects, so state-dict keys,
     shapes and values are unchanged.
 
-    Shared experts are ordinary dense modules applied to every token and added to the routed
-    output, scaled by ``sigmoid(shared_experts_gate(x))`` when there is a gate (Qwen2-MoE); they are
-    replicated under expert parallelism and FSDP2-sharded with the decoder layer, like dense
-    weights. With ``overlap_shared`` (the default) they run between the launch of the all-to-all
-    dispatch and the first use of its rows, so the exchange overlaps them in forward, and the
-    reverse exchange overlaps their backward; ``False`` runs them after the rows arrived. Both
-    compute the same numbers.
+    Shared experts are dense modules applied to every token and added to the routed output, scaled
+    by ``sigmoid(shared_experts_gate(x))`` if gated (Qwen2-MoE), sharded like dense weights. With
+    ``overlap_shared`` (the default) they run while the all-to-all dispatch moves the rows (and its
+    reverse their backward); ``False`` runs them after the rows arrived. Same numbers.
 
     ``keep_all_to_all`` (all-to-all dispatcher only; ``ExpertParallelStrategy(activation_checkpointing=
     "keep_all_to_all")`` sets it): each training forward keeps its dispatch plan and the rows both
@@ -210,7 +111,7 @@ class MoELayer(nn.Module):
         self.loss_scale = 1.0
         self.overlap_shared = True
         self.keep_all_to_all = False
-        self._kept: dict[int, KeptExchange] = {}
+        self._kept: ForwardRecords[KeptExchange | None] = ForwardRecords(_MAX_KEPT)
         self.dispatcher: Dispatcher = make_dispatcher(config, gate.num_experts)
         # A TokenShuffle when global_token_shuffle is on under expert parallelism.
         self.shuffle: TokenShuffle | None = None
@@ -240,7 +141,7 @@ class MoELayer(nn.Module):
         # The padding of the current model call, set by the model's forward pre-hook
         # (``lightning_ep.models.padding``); ``None``: every token is real.
         self.token_batch: TokenBatch | None = None
-        self._token_batches: dict[int, TokenBatch | None] = {}
+        self._token_batches: ForwardRecords[TokenBatch | None] = ForwardRecords(_MAX_TOKEN_BATCHES)
 
     def compile_routing(self, **compile_kwargs: Any) -> None:
         """Run the router with its losses and statistics (``route``) and the output's finiteness
@@ -296,7 +197,10 @@ class MoELayer(nn.Module):
     def _forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
         shape = hidden_BSH.shape
         draw_id = self._draw_id()
-        tokens = self._select_tokens(shape, draw_id, hidden_BSH.device)
+        group = self.shuffle.group if self.shuffle is not None else None
+        if group is None and getattr(self.dispatcher, "needs_group_tokens", False):
+            group = self.dispatcher.group  # type: ignore[attr-defined]
+        tokens = select_tokens(self._token_batch_of(draw_id), shape, self.config, group, hidden_BSH.device)
         x_TH = hidden_BSH.reshape(-1, shape[-1])
         if tokens.real_N is not None:
             x_TH = x_TH.index_select(0, tokens.real_N)  # [N, H]: padded positions are left out
@@ -309,7 +213,7 @@ class MoELayer(nn.Module):
             # The permutation is drawn on the CPU, so its split sizes need no device sync.
             generator = self._generator(draw_id, torch.device("cpu"), shared=True)
             x_TH, shuffle_state, positions_T = self.shuffle.shuffle(x_TH, generator, tokens.group_tokens, positions_T)
-            z_weight_T = _origin_weights(shuffle_state["source_T"], tokens.group_tokens, x_TH.device)
+            z_weight_T = origin_weights(shuffle_state["source_T"], tokens.group_tokens, x_TH.device)
 
         expert_ids_TK, weights_TK, stats = self._route(self.gate, x_TH, self.check_finite, tokens.valid_T, z_weight_T)
         if self.router_logits.active():
@@ -349,8 +253,8 @@ class MoELayer(nn.Module):
             if self.jitter_noise > 0:
                 raise RuntimeError(
                     f"MoELayer {self.layer_index}: router jitter (router_jitter_noise={self.jitter_noise}) draws from "
-                    "lightning_ep's seeded per-step streams, which torch.compile cannot trace; train this model "
-                    "eagerly or with ExpertParallelStrategy(compile_layers=True), or set router_jitter_noise=0."
+                    "lightning_ep's seeded per-step streams, which torch.compile cannot trace; train the model eagerly "
+                    "(ExpertParallelStrategy(execution=Execution(compile=False))), or set router_jitter_noise=0."
                 )
             return -1
         return self._draws.next_id()
@@ -366,43 +270,14 @@ class MoELayer(nn.Module):
             logits_TE = logits_TE.new_zeros((rows, logits_TE.shape[1])).index_copy(0, tokens.real_N, logits_TE)
         self.router_logits(logits_TE)
 
-    def _select_tokens(self, shape: torch.Size, draw_id: int, device: torch.device) -> LayerTokens:
-        """Which tokens of an input of ``shape`` this call routes, and what the dispatch needs to know
-        of them (see ``LayerTokens``)."""
-        batch = self._token_batch_of(draw_id)
-        real_N = valid_T = None
-        if batch is not None:
-            if torch.compiler.is_compiling():
-                valid_T = batch.valid(shape)  # no data-dependent shapes in a traced graph
-            else:
-                real_N = batch.real_tokens(shape)
-        positions_T = None
-        if self.config.capacity_factor is not None and self.config.drop_policy == "position":
-            positions_T = positions_in_sequence(shape, device)
-            if real_N is not None:
-                positions_T = positions_T.index_select(0, real_N)
-        group_tokens = None
-        group = self.shuffle.group if self.shuffle is not None else None
-        if group is None and getattr(self.dispatcher, "needs_group_tokens", False):
-            group = self.dispatcher.group  # type: ignore[attr-defined]
-        if group is not None:
-            count = real_N.numel() if real_N is not None else math.prod(shape[:-1])
-            group_tokens = (
-                batch.group_counts(count, group, device) if batch is not None else gather_counts(count, group, device)
-            )
-        return LayerTokens(real_N, valid_T, positions_T, group_tokens)
-
     def _token_batch_of(self, draw_id: int) -> TokenBatch | None:
         """The ``TokenBatch`` of this call: the model's current one, or, for an activation-checkpointing
         recomputation inside backward, the one its forward saw."""
         if draw_id < 0:
             return self.token_batch
         if in_backward():
-            return self._token_batches.pop(draw_id, self.token_batch)
-        self._token_batches[draw_id] = self.token_batch
-        while len(self._token_batches) > _MAX_TOKEN_BATCHES:  # forwards that were never recomputed
-            del self._token_batches[next(iter(self._token_batches))]
-        return self.token_batch
+            return self._token_batches.recall(draw_id, self.token_batch)
+        return self._token_batches.record(draw_id, self.token_batch)
 
     def _dispatch_and_combine(
         self,
@@ -415,27 +290,12 @@ class MoELayer(nn.Module):
         """The routed experts' output ``[T, H]``, the shared experts' (or ``None``), the tokens per
         expert and the (token, expert) pairs each expert kept, eagerly."""
         if self.hf_experts is not None and self.hf_experts.active():  # transformers' own implementation
-            self._check_hf_experts()
+            self.hf_experts.check_runs_in(self)
             out_TH = self.hf_experts(self.experts, x_TH, expert_ids_TK, weights_TK)
             counts_E = count_ids(expert_ids_TK, self.num_experts, tokens.valid_T)
             return out_TH, self._shared(x_TH), counts_E, counts_E
         keep = self._exchange_to_keep(draw_id)
-        dispatcher: Any = self.dispatcher
-        if getattr(dispatcher, "takes_weights", False):  # capacity: "probs" ranks rows by weight
-            dispatched = dispatcher.dispatch(
-                x_TH,
-                expert_ids_TK,
-                weights_TK,
-                positions_T=tokens.positions_T,
-                valid_T=tokens.valid_T,
-                group_tokens=tokens.group_tokens,
-            )
-        elif getattr(dispatcher, "needs_group_tokens", False):
-            dispatched = dispatcher.dispatch(x_TH, expert_ids_TK, group_tokens=tokens.group_tokens)
-        elif keep is not None:
-            dispatched = dispatcher.dispatch(x_TH, expert_ids_TK, keep=keep)
-        else:
-            dispatched = dispatcher.dispatch(x_TH, expert_ids_TK)
+        dispatched = dispatch(self.dispatcher, x_TH, expert_ids_TK, weights_TK, tokens, keep)
         if "tokens_dropped" in dispatched.state:
             self.tokens_dropped = dispatched.state["tokens_dropped"]
         if self.overlap_shared:
@@ -450,26 +310,6 @@ class MoELayer(nn.Module):
         if tokens.valid_T is not None and "kept_per_expert_E" not in dispatched.state:
             tokens_per_expert_E = count_ids(expert_ids_TK, self.num_experts, tokens.valid_T)  # real tokens only
         return out_TH, shared_TH, tokens_per_expert_E, dispatched.state.get("kept_per_expert_E", tokens_per_expert_E)
-
-    def _check_hf_experts(self) -> None:
-        """transformers' experts implementations are dropless and hold every expert: refuse them here
-        when the layer splits its experts across ranks or bounds them by a capacity, and on experts
-        with LoRA adapters, which they would leave out."""
-        if getattr(self.experts, "lora_scaling", None):
-            raise ValueError(
-                f"MoE layer {self.layer_index}: the model's config._experts_implementation is "
-                f"{self.hf_experts.implementation!r}, one of transformers' implementations, which would compute the "
-                "experts without their LoRA adapters. Call model.set_experts_implementation('lightning_ep') to use "
-                "lightning_ep's experts."
-            )
-        if isinstance(self.dispatcher, LocalDispatcher):
-            return
-        raise ValueError(
-            f"MoE layer {self.layer_index}: the model's config._experts_implementation is "
-            f"{self.hf_experts.implementation!r}, one of transformers' implementations, which compute every expert "
-            f"on one process without a capacity; this layer's dispatch is {type(self.dispatcher).__name__}. Call "
-            "model.set_experts_implementation('lightning_ep') to use lightning_ep's experts."
-        )
 
     def _graphs(self) -> LayerGraphs | None:
         """With ``config.cuda_graphs``, the CUDA graphs of this layer's dispatcher (made on first use;
@@ -520,13 +360,10 @@ class MoELayer(nn.Module):
                 "or keep_all_to_all=False."
             )
         if in_backward():
-            return self._kept.pop(draw_id, None)
-        from lightning_ep.moe.dispatch_ep import KeptExchange
+            return self._kept.recall(draw_id, None)
+        from lightning_ep.moe.dispatch.all_to_all import KeptExchange
 
-        keep = self._kept[draw_id] = KeptExchange()
-        while len(self._kept) > _MAX_KEPT:  # forwards that were never recomputed
-            del self._kept[next(iter(self._kept))]
-        return keep
+        return self._kept.record(draw_id, KeptExchange())
 
     def _shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' output ``[T, H]`` (gated if there is a gate), or ``None``."""
@@ -555,18 +392,6 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_index={self.layer_index}, dispatcher={type(self.dispatcher).__name__}"
-
-
-def _origin_weights(
-    source_T: torch.Tensor, group_tokens: list[int] | None, device: torch.device
-) -> torch.Tensor | None:
-    """After the token shuffle, each token's weight ``T / T_source`` in this rank's mean over its
-    ``T`` tokens, so that a per-token loss weighs every token as data parallelism does (by ``1 / T_s``
-    on its own rank ``s``); ``None`` when every rank holds as many tokens (all weights 1)."""
-    if group_tokens is None or len(set(group_tokens)) == 1:
-        return None
-    counts = torch.tensor(group_tokens, dtype=torch.float64)
-    return (source_T.numel() / counts[source_T]).to(device=device)
 
 
 # ``forward`` when the layer must run eagerly inside a compiled model (see ``MoELayer.forward``).

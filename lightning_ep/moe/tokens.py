@@ -13,8 +13,13 @@ once per layer.
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
+
+from lightning_ep.moe.config import MoEConfig
 
 
 class TokenBatch:
@@ -88,3 +93,62 @@ def positions_in_sequence(shape: torch.Size, device: torch.device) -> torch.Tens
     num_tokens = shape[0] * shape[1] if len(shape) == 3 else shape[0]
     positions = torch.arange(num_tokens, device=device)
     return positions % shape[1] if len(shape) == 3 else positions
+
+
+class LayerTokens(NamedTuple):
+    """Which tokens one call of a layer routes, and what its dispatch needs to know of them.
+
+    Attributes:
+        real_N: int64 positions of the real tokens in the flattened input, when padding is left out
+            of the call (eager: the rows are selected, the output scattered back); ``None``: all.
+        valid_T: bool, ``False`` at padded tokens, when the call keeps its shapes instead (traced by
+            ``torch.compile``); ``None`` otherwise.
+        positions_T: each routed token's position in its sequence (the ``"position"`` drop policy).
+        group_tokens: every expert-parallel rank's token count, when the dispatch or the token shuffle
+            needs it (ranks may hold different numbers of tokens).
+    """
+
+    real_N: torch.Tensor | None
+    valid_T: torch.Tensor | None
+    positions_T: torch.Tensor | None
+    group_tokens: list[int] | None
+
+
+def origin_weights(source_T: torch.Tensor, group_tokens: list[int] | None, device: torch.device) -> torch.Tensor | None:
+    """After the token shuffle, each token's weight ``T / T_source`` in this rank's mean over its
+    ``T`` tokens, so that a per-token loss weighs every token as data parallelism does (by ``1 / T_s``
+    on its own rank ``s``); ``None`` when every rank holds as many tokens (all weights 1)."""
+    if group_tokens is None or len(set(group_tokens)) == 1:
+        return None
+    counts = torch.tensor(group_tokens, dtype=torch.float64)
+    return (source_T.numel() / counts[source_T]).to(device=device)
+
+
+def select_tokens(
+    batch: TokenBatch | None,
+    shape: torch.Size,
+    config: MoEConfig,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> LayerTokens:
+    """Which tokens of a layer input of ``shape`` one call routes, and what its dispatch needs to know
+    of them (``LayerTokens``): the real tokens of ``batch`` (selected eagerly, masked when traced),
+    their positions for the ``"position"`` drop policy, and ``group``'s token counts when given."""
+    real_N = valid_T = None
+    if batch is not None:
+        if torch.compiler.is_compiling():
+            valid_T = batch.valid(shape)  # no data-dependent shapes in a traced graph
+        else:
+            real_N = batch.real_tokens(shape)
+    positions_T = None
+    if config.capacity_factor is not None and config.drop_policy == "position":
+        positions_T = positions_in_sequence(shape, device)
+        if real_N is not None:
+            positions_T = positions_T.index_select(0, real_N)
+    group_tokens = None
+    if group is not None:
+        count = real_N.numel() if real_N is not None else math.prod(shape[:-1])
+        group_tokens = (
+            batch.group_counts(count, group, device) if batch is not None else gather_counts(count, group, device)
+        )
+    return LayerTokens(real_N, valid_T, positions_T, group_tokens)

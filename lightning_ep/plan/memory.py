@@ -21,7 +21,7 @@ What the strategy holds, and so what is counted:
   also keeps each MoE layer's exchanged rows (``(M + T K) x H`` elements) until its backward.
 
 The activation widths per token come from reading the modules' forward passes (Hugging Face
-RMSNorm, attention and MLPs; ``lightning_ep.moe.grouped_mlp``, ``combine``): see
+RMSNorm, attention and MLPs; ``lightning_ep.moe.experts.mlp``, ``combine``): see
 ``layer_activation_bytes``. Rows per rank ``M``: ``T K`` in the expected (balanced) case;
 ``d T min(K, E / d)`` in the dropless worst case (every token of the EP group chooses this rank's
 experts); ``E C`` with a capacity ``C = ceil(T K / E x capacity_factor)`` per (rank, expert).

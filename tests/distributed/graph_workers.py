@@ -12,7 +12,7 @@ from conftest import count_syncs  # tests/ is on sys.path under pytest, also in 
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
-from lightning_ep.moe.experts import local_tensor
+from lightning_ep.moe.experts.grouped import local_tensor
 from lightning_ep.moe.graphs import WARMUP
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from families_workers import CONFIG, full, micro_batch, rel_err, tiny_family
 
 import lightning_ep
-from lightning_ep.moe import comm
+from lightning_ep.moe.dispatch import comm
 
 
 def _splits(rank: int, world: int) -> tuple[list[int], list[int]]:

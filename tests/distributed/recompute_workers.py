@@ -11,7 +11,7 @@ from workers import full, micro_batch, rel_err, tiny_mixtral
 
 import lightning_ep
 from lightning_ep import MoEConfig
-from lightning_ep.moe.rng import in_backward
+from lightning_ep.moe.routing.rng import in_backward
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import lightning_ep
 from lightning_ep import MoEConfig
-from lightning_ep.moe.router import Routing
+from lightning_ep.moe.routing.router import Routing
 
 T, H, WIDTH, K, E = 32, 64, 32, 1, 8  # tokens per rank, hidden, expert width, top-k, experts
 

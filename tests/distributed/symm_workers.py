@@ -11,8 +11,8 @@ import torch.distributed as dist
 from conftest import count_syncs  # tests/ is on sys.path under pytest, also in spawned workers
 
 from lightning_ep.moe import MoEConfig
-from lightning_ep.moe.dispatch import block_of_rows
-from lightning_ep.moe.dispatchers import make_dispatcher
+from lightning_ep.moe.dispatch.base import block_of_rows
+from lightning_ep.moe.dispatch.select import make_dispatcher
 
 NUM_EXPERTS = 16
 #: (name, dtype, tokens on rank 0 / rank 1, hidden, top_k, skew): an uneven split, a hidden size that is
@@ -103,9 +103,9 @@ def run_symm_matches_all_to_all(rank: int, world: int) -> None:
     """Rows, outputs and every gradient equal the all-to-all dispatcher's, bit for bit: fp32 and
     bf16, uneven tokens per rank, a hidden size that is not a multiple of the kernels' block, a rank
     that receives nothing, and a workspace that grows; one host sync per forward + backward."""
-    from lightning_ep.moe.dispatch_ep import AllToAllDispatcher
-    from lightning_ep.moe.dispatch_symm import SymmetricMemoryDispatcher
-    from lightning_ep.moe.symm_pull import SymmetricWorkspace
+    from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
+    from lightning_ep.moe.dispatch.symm_pull import SymmetricWorkspace
+    from lightning_ep.moe.dispatch.symmetric import SymmetricMemoryDispatcher
 
     group = dist.group.WORLD
     a2a = AllToAllDispatcher(NUM_EXPERTS, group)
@@ -155,8 +155,8 @@ def run_static_plan_matches_all_to_all(rank: int, world: int) -> None:
     first ``M`` of the ``R`` padded ones), outputs and every gradient equal the all-to-all
     dispatcher's bit for bit, with no host sync at all; a layer over budget raises (before the next
     dispatch and at ``raise_if_over_budget``), and tokens over budget are refused up front."""
-    from lightning_ep.moe.dispatch_ep import AllToAllDispatcher
-    from lightning_ep.moe.dispatch_symm import SymmetricMemoryDispatcher
+    from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
+    from lightning_ep.moe.dispatch.symmetric import SymmetricMemoryDispatcher
 
     group = dist.group.WORLD
     a2a = AllToAllDispatcher(NUM_EXPERTS, group)

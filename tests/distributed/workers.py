@@ -95,7 +95,7 @@ class Case:
 
 def _skew_router(model: torch.nn.Module) -> None:
     """Every token picks experts 0 and 1 (held by EP rank 0); the other experts get no token."""
-    from lightning_ep.moe.router import Routing
+    from lightning_ep.moe.routing.router import Routing
 
     def hook(gate, _inputs, routing):
         ids_TK = torch.tensor([0, 1], device=routing.expert_ids_TK.device).expand_as(routing.expert_ids_TK)

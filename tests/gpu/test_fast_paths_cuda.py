@@ -16,7 +16,7 @@ from conftest import count_syncs, rel_err
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
-from lightning_ep.moe.dispatch import (
+from lightning_ep.moe.dispatch.base import (
     count_ids,
     gather_rows,
     inverse_permutation,
@@ -128,7 +128,7 @@ def test_cuda_layer_equals_the_cpu_float64_loop():
 @pytest.mark.parametrize(("T", "K", "H"), [(4096, 8, 2048), (2048, 2, 4096), (33, 3, 200)])
 def test_fused_combine_equals_the_torch_fallback_on_cuda(dtype, T, K, H):
     pytest.importorskip("triton", reason="Triton is not installed")
-    from lightning_ep.moe import combine
+    from lightning_ep.moe.dispatch import combine
 
     assert combine.fused_combine_available(torch.empty(1, device=CUDA))
     ids = _ids(T, K, 16, seed=T)
@@ -162,7 +162,7 @@ def test_fused_combine_equals_the_torch_fallback_on_cuda(dtype, T, K, H):
 @pytest.mark.parametrize(("J", "R", "H"), [(65536, 8192, 2048), (1000, 7, 4096), (33, 50, 200)])
 def test_segment_sum_kernel_equals_index_add_bitwise_on_cuda(dtype, J, R, H):
     pytest.importorskip("triton", reason="Triton is not installed")
-    from lightning_ep.moe import dedup
+    from lightning_ep.moe.dispatch import dedup
 
     assert dedup._triton() is not None
     g = torch.Generator(device=CUDA).manual_seed(J)
@@ -181,7 +181,7 @@ def test_segment_sum_kernel_equals_index_add_bitwise_on_cuda(dtype, J, R, H):
 @pytest.mark.parametrize(("N", "I"), [(4096, 768), (1000, 14336), (33, 100)])
 def test_fused_swiglu_equals_torch_on_cuda(dtype, N, I):  # noqa: E741
     pytest.importorskip("triton", reason="Triton is not installed")
-    from lightning_ep.moe import swiglu
+    from lightning_ep.moe.kernels import swiglu
 
     assert swiglu.fused_swiglu_available(torch.empty(1, device=CUDA))
     g = torch.Generator(device=CUDA).manual_seed(7)
@@ -204,7 +204,7 @@ def test_fused_swiglu_equals_torch_on_cuda(dtype, N, I):  # noqa: E741
 @pytest.mark.parametrize(("T", "K", "H"), [(4096, 8, 2048), (2048, 2, 4096), (33, 3, 200)])
 def test_sum_copies_kernel_equals_the_ordered_fp32_sum_bitwise_on_cuda(dtype, T, K, H):
     pytest.importorskip("triton", reason="Triton is not installed")
-    from lightning_ep.moe import combine
+    from lightning_ep.moe.dispatch import combine
 
     ids = _ids(T, K, 16, seed=T)
     order, _ = sort_by_expert(ids, 16)
@@ -223,7 +223,7 @@ def test_sum_copies_kernel_equals_the_ordered_fp32_sum_bitwise_on_cuda(dtype, T,
 @pytest.mark.parametrize(("N", "I"), [(4096, 768), (33, 100)])
 def test_swiglu_backward_kernel_writes_scaled_copies_bitwise_on_cuda(scale, N, I):  # noqa: E741
     pytest.importorskip("triton", reason="Triton is not installed")
-    from lightning_ep.moe import swiglu
+    from lightning_ep.moe.kernels import swiglu
 
     g = torch.Generator(device=CUDA).manual_seed(9)
     h = (torch.randn(N, 2 * I, generator=g, device=CUDA) * 3).bfloat16()
@@ -247,7 +247,7 @@ def test_swiglu_backward_kernel_writes_scaled_copies_bitwise_on_cuda(scale, N, I
 
 @pytest.mark.parametrize("scale", [1.0, 0.5])
 def test_grouped_mlp_equals_autograd_of_its_gemms_on_cuda(monkeypatch, scale):
-    from lightning_ep.moe import experts as experts_module
+    from lightning_ep.moe.experts import grouped as experts_module
 
     L, H, I, N = 16, 512, 256, 4096  # noqa: E741
     g = torch.Generator(device=CUDA).manual_seed(10)
@@ -307,7 +307,7 @@ def one_rank_nccl_group():
 def test_expert_parallel_layer_makes_at_most_one_host_sync(one_rank_nccl_group, dispatcher, syncs):
     """One host read per layer (the split sizes); the all-gather dispatcher also reads every rank's token
     count, once per model call (here the layer is called alone: once per call of it)."""
-    from lightning_ep.moe.dispatch_ep import AllGatherDispatcher, AllToAllDispatcher
+    from lightning_ep.moe.dispatch.all_to_all import AllGatherDispatcher, AllToAllDispatcher
 
     layer = _layer()
     if dispatcher == "all_gather":

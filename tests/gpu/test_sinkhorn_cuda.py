@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import count_syncs
 
-from lightning_ep.moe import router, sinkhorn
+from lightning_ep.moe.kernels import sinkhorn
+from lightning_ep.moe.routing import router
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

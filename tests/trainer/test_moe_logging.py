@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_ep import ExpertParallelStrategy, MoEConfig
-from lightning_ep.moe.experts import local_tensor
+from lightning_ep.moe.experts.grouped import local_tensor
 from lightning_ep.optim import AdamW
 
 

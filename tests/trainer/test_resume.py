@@ -177,7 +177,7 @@ def test_model_transformed_with_another_config_is_refused(tmp_path: Path) -> Non
     assert (
         "ExpertParallelStrategy(moe=...): the model's MoE layers were already built by transform() with another "
         "MoEConfig, which stays in force: moe_load_balancing='aux_loss' (asked: 'sinkhorn'). A model is transformed "
-        "once; drop the transform() call (the strategy transforms with its moe=) or give the strategy the same config."
+        "once; drop the transform() call (the strategy transforms with its moe=) or pass it the same config."
     ) in stderr, stderr[-3000:]
 
 

@@ -12,7 +12,7 @@ from conftest import rel_err, tiny_mixtral
 
 import lightning_ep
 from lightning_ep import MoEConfig
-from lightning_ep.moe.dispatch_capacity import capacity, capacity_tensor, keep_slots
+from lightning_ep.moe.dispatch.capacity import capacity, capacity_tensor, keep_slots
 
 
 def test_capacity_formula() -> None:
@@ -157,7 +157,7 @@ def test_keep_all_to_all_refuses_a_dispatcher_without_kept_exchanges() -> None:
 
 def _route_everything_to(layer: torch.nn.Module, experts: list[int]) -> None:
     """Every token picks ``experts`` (weights renormalised over them)."""
-    from lightning_ep.moe.router import Routing
+    from lightning_ep.moe.routing.router import Routing
 
     def hook(_gate: torch.nn.Module, _inputs: tuple, routing: Routing) -> Routing:
         ids = torch.tensor(experts).expand(routing.expert_ids_TK.shape[0], len(experts))

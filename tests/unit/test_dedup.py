@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_ep import MoEConfig
-from lightning_ep.moe.dedup import segment_sum, wire_dtype
+from lightning_ep.moe.dispatch.dedup import segment_sum, wire_dtype
 
 
 def test_segment_sum_adds_rows_in_order_in_fp32_and_rounds_once():

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from lightning_ep.moe.config import MoEConfig
-from lightning_ep.moe.dispatch import inverse_permutation, sort_by_expert
-from lightning_ep.moe.dispatch_symm import RowBudget, plan_pulls, sort_pairs, static_plan
-from lightning_ep.moe.symm_pull import REGIONS, SymmetricWorkspace, align, offsets, region_sizes
+from lightning_ep.moe.dispatch.base import inverse_permutation, sort_by_expert
+from lightning_ep.moe.dispatch.symm_pull import REGIONS, SymmetricWorkspace, align, offsets, region_sizes
+from lightning_ep.moe.dispatch.symmetric import RowBudget, plan_pulls, sort_pairs, static_plan
 
 
 def _ranks(tokens: list[int], num_experts: int, top_k: int, seed: int) -> list[dict]:

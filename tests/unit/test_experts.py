@@ -13,7 +13,7 @@ from conftest import rel_err
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
-from lightning_ep.moe.experts import grouped_mm_supported
+from lightning_ep.moe.experts.grouped import grouped_mm_supported
 
 H, I, E = 64, 32, 8  # noqa: E741 (shape letters, as in lightning_ep.moe)
 COUNTS = [5, 0, 3, 8, 1, 0, 7, 4]  # experts 1 and 5 receive no row
@@ -276,7 +276,7 @@ def test_experts_adopt_parameters():
 
 @pytest.mark.parametrize("grad_scale", [1.0, 0.5])
 def test_segment_linear_equals_one_linear_per_expert(grad_scale):
-    from lightning_ep.moe.experts import segment_linear
+    from lightning_ep.moe.experts.segments import segment_linear
 
     w1, _ = _weights()
     x = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(3))
@@ -339,7 +339,7 @@ def test_host_counts_keep_the_grouped_gemm_off_cuda():
 
 def _grouped_run(monkeypatch, fold, w1, w2, x, counts, upstream, *, scale=1.0, act_fn=F.silu, frozen=()):
     """``GroupedExperts`` on the grouped GEMM, with ``grouped_mlp`` (``fold``) or plain autograd."""
-    from lightning_ep.moe import experts as experts_module
+    from lightning_ep.moe.experts import grouped as experts_module
 
     monkeypatch.setattr(experts_module, "fold_grad_scale", lambda *args: fold)
     experts = GroupedExperts(nn.Parameter(w1.clone()), nn.Parameter(w2.clone()), act_fn, use_grouped_mm=True)
@@ -387,7 +387,7 @@ def test_grouped_mlp_keeps_h_and_not_a(monkeypatch):
     x = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(3))
     saved = {}
     for fold in (True, False):
-        from lightning_ep.moe import experts as experts_module
+        from lightning_ep.moe.experts import grouped as experts_module
 
         monkeypatch.setattr(experts_module, "fold_grad_scale", lambda *args, fold=fold: fold)
         experts = _experts(w1, w2, True)
@@ -408,7 +408,7 @@ def test_grouped_mlp_keeps_h_and_not_a(monkeypatch):
 
 
 def test_fold_grad_scale_needs_one_dtype_and_no_autocast():
-    from lightning_ep.moe.experts import fold_grad_scale
+    from lightning_ep.moe.experts.grouped import fold_grad_scale
 
     x, w = torch.zeros(2, 8), torch.zeros(1, 8, 8)
     assert fold_grad_scale(x, w, w)

@@ -24,7 +24,7 @@ import lightning_ep
 from lightning_ep import MoEConfig, MoELayer
 from lightning_ep.models.registry import FAMILIES, MoEFamily, family_for, find_moe_blocks, supported_model_types
 from lightning_ep.moe import TopKRouter
-from lightning_ep.moe.experts_variants import InterleavedGLUExperts
+from lightning_ep.moe.experts.variants import InterleavedGLUExperts
 from lightning_ep.parallel.balance import update_expert_biases
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))

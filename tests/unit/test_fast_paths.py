@@ -1,6 +1,6 @@
 """Every fast path of the dispatch hot path against its reference path, on the CPU.
 
-The fast paths (``lightning_ep.moe.dispatch``): counts per expert by binary search instead of
+The fast paths (``lightning_ep.moe.dispatch.base``): counts per expert by binary search instead of
 ``torch.bincount`` (which reads the maximum back to the host on CUDA); permutation gathers whose
 backward is a gather by the inverse permutation instead of ``index_select``'s zero-fill plus
 scatter-add. The references below are the straightforward implementations they replaced. The same
@@ -16,7 +16,7 @@ from conftest import rel_err
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
-from lightning_ep.moe.dispatch import (
+from lightning_ep.moe.dispatch.base import (
     block_of_rows,
     count_ids,
     expert_counts,
@@ -205,8 +205,8 @@ def test_layer_fast_path_equals_token_by_token_reference(use_grouped_mm):
 
 _INTERPRETER_CHECK = """
 import torch
-from lightning_ep.moe import combine
-from lightning_ep.moe.dispatch import inverse_permutation, sort_by_expert
+from lightning_ep.moe.dispatch import combine
+from lightning_ep.moe.dispatch.base import inverse_permutation, sort_by_expert
 
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
@@ -252,7 +252,7 @@ def test_fused_combine_kernel_equals_torch_fallback_in_the_triton_interpreter():
 
 _SWIGLU_CHECK = """
 import torch
-from lightning_ep.moe import swiglu
+from lightning_ep.moe.kernels import swiglu
 
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
@@ -303,7 +303,7 @@ def test_fused_swiglu_kernel_equals_torch_in_the_triton_interpreter():
 def test_swiglu_dispatch_on_cpu_is_the_torch_expression():
     from transformers.activations import ACT2FN
 
-    from lightning_ep.moe.swiglu import is_silu, swiglu
+    from lightning_ep.moe.kernels.swiglu import is_silu, swiglu
 
     assert is_silu(F.silu) and is_silu(nn.SiLU()) and not is_silu(F.gelu)
     assert is_silu(ACT2FN["silu"]) and not is_silu(ACT2FN["gelu"])  # what the Mixtral adapter passes
@@ -315,7 +315,7 @@ def test_swiglu_dispatch_on_cpu_is_the_torch_expression():
 def test_swiglu_row_limit_must_be_one_integer_on_the_rows_device() -> None:
     """The fused kernels' row limit (``swiglu(..., rows)``): a one-element int32 / int64 tensor on
     ``h``'s device, else an error naming what came; ``None`` passes ``h`` as the unused pointer."""
-    from lightning_ep.moe.swiglu import _limit
+    from lightning_ep.moe.kernels.swiglu import _limit
 
     h = torch.zeros(4, 16)
     assert _limit(None, h) is h

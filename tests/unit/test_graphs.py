@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts, LocalDispatcher, MoEConfig, MoELayer, TopKRouter
-from lightning_ep.moe.dispatch_capacity import CapacityDispatcher
-from lightning_ep.moe.dispatchers import check_graphs_plan, make_dispatcher
+from lightning_ep.moe.dispatch.capacity import CapacityDispatcher
+from lightning_ep.moe.dispatch.select import check_graphs_plan, make_dispatcher
 from lightning_ep.moe.graphs import LayerGraphs
 
 

@@ -27,7 +27,7 @@ def test_importing_moe_pulls_in_neither_lightning_nor_transformers():
     code = (
         "import json, sys\n"
         "import lightning_ep.moe\n"
-        "import lightning_ep.moe.layer, lightning_ep.moe.router, lightning_ep.moe.experts\n"
+        "import lightning_ep.moe.layer, lightning_ep.moe.routing.router, lightning_ep.moe.experts.grouped\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -89,3 +89,52 @@ def test_plan_sits_above_moe_and_parallel_and_below_lightning():
     assert any(p.name == "memory.py" for p in plan_files)
     offenders += [str(p.relative_to(PACKAGE)) for p in plan_files if lightning.search(p.read_text())]
     assert offenders == []
+
+
+# lightning_ep.moe's sub-packages, lowest first: each may import only those listed for it (and
+# ``config``), so that routing never reaches into dispatch, kernels know nothing of the layer, and
+# a new dispatcher or kernel has one obvious place.
+MOE_ALLOWED: dict[str, set[str]] = {
+    "kernels": set(),
+    "routing": {"kernels"},
+    "dispatch": {"kernels"},
+    "experts": {"kernels", "dispatch"},
+    "graphs": {"kernels", "dispatch", "experts"},
+    "tokens": set(),
+    "layer": {"kernels", "routing", "dispatch", "experts", "graphs", "tokens"},
+}
+_MOE_IMPORT = re.compile(r"^\s*(?:from|import)\s+lightning_ep\.moe\.([a-z_]+)", re.MULTILINE)
+
+
+def _moe_part(path: Path) -> str:
+    relative = path.relative_to(PACKAGE / "moe")
+    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def test_moe_sub_packages_import_one_way():
+    moe = PACKAGE / "moe"
+    assert {p.name for p in moe.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        "routing",
+        "dispatch",
+        "experts",
+        "kernels",
+    }
+    offenders = []
+    for path in sorted(moe.rglob("*.py")):
+        part = _moe_part(path)
+        if part in ("__init__", "config"):
+            continue
+        allowed = MOE_ALLOWED[part] | {part, "config"}
+        for target in _MOE_IMPORT.findall(path.read_text()):
+            if target not in allowed:
+                offenders.append(f"{path.relative_to(PACKAGE)} imports lightning_ep.moe.{target}")
+    assert offenders == []
+
+
+def test_no_module_is_over_400_lines():
+    long = {
+        str(path.relative_to(PACKAGE)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 400
+    }
+    assert long == {}

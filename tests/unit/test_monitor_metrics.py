@@ -27,7 +27,7 @@ from torch import nn
 import lightning_ep
 from lightning_ep.callbacks import STAT_NAMES, MoELoadMetric, MoEMonitor
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
-from lightning_ep.moe.layer import mean_entropy
+from lightning_ep.moe.routing.route import mean_entropy
 from lightning_ep.monitor_plots import PLOT_SIZE_PX, heatmap_figure, imbalance_figure, normalised_load
 
 H, I, E, K = 64, 32, 8, 2  # noqa: E741 (shape letters)

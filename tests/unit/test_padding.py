@@ -14,8 +14,8 @@ from conftest import rel_err, tiny_mixtral
 import lightning_ep
 from lightning_ep import MoEConfig
 from lightning_ep.moe.layer import MoELayer
-from lightning_ep.moe.losses import load_balancing_loss, z_loss
-from lightning_ep.moe.router import sinkhorn_log
+from lightning_ep.moe.routing.losses import load_balancing_loss, z_loss
+from lightning_ep.moe.routing.router import sinkhorn_log
 from lightning_ep.moe.tokens import TokenBatch
 from lightning_ep.parallel.balance import update_expert_biases
 

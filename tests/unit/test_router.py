@@ -424,7 +424,7 @@ def test_hf_gradient_checkpointing_keeps_jitter_gradients():
 
 
 def test_balanced_router_materializes_from_meta():
-    from lightning_ep.moe.router import TopKRouter
+    from lightning_ep.moe.routing.router import TopKRouter
 
     with torch.device("meta"):
         router = TopKRouter(torch.nn.Parameter(torch.empty(8, 64)), top_k=2, mode="balanced")

@@ -1,4 +1,4 @@
-"""The fused Sinkhorn kernels (``lightning_ep.moe.sinkhorn``) against the torch version of
+"""The fused Sinkhorn kernels (``lightning_ep.moe.kernels.sinkhorn``) against the torch version of
 ``router.sinkhorn_log``, run by Triton's CPU interpreter (a fresh interpreter: the flag is read at
 import). The CUDA twin is ``tests/gpu/test_sinkhorn_cuda.py``."""
 
@@ -12,7 +12,8 @@ import pytest
 
 _CHECK = """
 import torch
-from lightning_ep.moe import router, sinkhorn
+from lightning_ep.moe.kernels import sinkhorn
+from lightning_ep.moe.routing import router
 
 # (T, E, iterations): one block, several blocks, experts not a power of two, more blocks than a chunk.
 for T, E, iterations in [(1, 4, 1), (7, 8, 3), (100, 128, 30), (300, 60, 5), (5000, 128, 2)]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from lightning_ep.moe.config import MoEConfig
-from lightning_ep.moe.dispatch import Dispatcher, LocalDispatcher
-from lightning_ep.moe.dispatch_capacity import CapacityDispatcher
+from lightning_ep.moe.dispatch.base import Dispatcher, LocalDispatcher
+from lightning_ep.moe.dispatch.capacity import CapacityDispatcher
 
 
 def make_dispatcher(config: MoEConfig, num_experts: int, group: dist.ProcessGroup | None = None) -> Dispatcher:
@@ -21,10 +21,10 @@ def make_dispatcher(config: MoEConfig, num_experts: int, group: dist.ProcessGrou
         )  # type: ignore[return-value]
     if degree == 1:
         return LocalDispatcher(num_experts)
-    from lightning_ep.moe.dispatch_ep import AllGatherDispatcher, AllToAllDispatcher
+    from lightning_ep.moe.dispatch.all_to_all import AllGatherDispatcher, AllToAllDispatcher
 
     if config.symmetric_memory_dispatch:
-        from lightning_ep.moe.dispatch_symm import SymmetricMemoryDispatcher
+        from lightning_ep.moe.dispatch.symmetric import SymmetricMemoryDispatcher
 
         return SymmetricMemoryDispatcher(num_experts, group, config.max_tokens_per_rank)  # type: ignore[arg-type,return-value]
     if config.moe_all_to_all_dispatcher:

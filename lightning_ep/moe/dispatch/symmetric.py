@@ -7,7 +7,7 @@ received for the local experts; ``C[s, e]``: pairs of rank ``s`` routed to exper
 
 The all-to-all dispatcher copies rows four times per direction: into sorted order, through NCCL,
 into expert order, and back. Here each rank instead reads (pulls) the rows it needs straight
-from the other GPUs' memory, already in the order it needs them (``lightning_ep.moe.symm_pull``):
+from the other GPUs' memory, already in the order it needs them (``lightning_ep.moe.dispatch.symm_pull``):
 
 - dispatch: each rank puts its tokens ``[T, H]`` and its sorted pairs in its buffer; the experts'
   rank reads row ``m`` (expert-major, then source rank, then the source's sorted order: the
@@ -38,9 +38,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe.dispatch import Dispatched, block_of_rows, inverse_permutation, sort_by_expert
-from lightning_ep.moe.dispatch_ep import _check_budget, expert_layout
-from lightning_ep.moe.symm_pull import (
+from lightning_ep.moe.dispatch.all_to_all import _check_budget, expert_layout
+from lightning_ep.moe.dispatch.base import Dispatched, block_of_rows, inverse_permutation, sort_by_expert
+from lightning_ep.moe.dispatch.symm_pull import (
     SymmetricWorkspace,
     copy_live_rows,
     pull_combine_backward,

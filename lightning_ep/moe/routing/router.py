@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ep.moe.config import LoadBalancing
-from lightning_ep.moe.sinkhorn import fused_sinkhorn_available, sinkhorn_log_fused
+from lightning_ep.moe.kernels.sinkhorn import fused_sinkhorn_available, sinkhorn_log_fused
 
 Scoring = Literal["softmax", "sigmoid", "topk_softmax"]
 SCORINGS: tuple[str, ...] = get_args(Scoring)
@@ -77,7 +77,7 @@ def sinkhorn_log(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor
 
     Alternately rescales rows to sum to 1 and columns to sum to ``T / E``, in the log domain so
     large logits cannot overflow. A fixed iteration count keeps it free of host syncs. On CUDA in fp32
-    (without ``valid_T``) it runs as one Triton kernel launch (``lightning_ep.moe.sinkhorn``).
+    (without ``valid_T``) it runs as one Triton kernel launch (``lightning_ep.moe.kernels.sinkhorn``).
 
     Args:
         logits_TE: float ``[T, E]``.

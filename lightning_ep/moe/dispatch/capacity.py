@@ -26,9 +26,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe.comm import all_to_all, finish_all_to_all, start_all_to_all
 from lightning_ep.moe.config import DropPolicy
-from lightning_ep.moe.dispatch import Dispatched, narrow_keys
+from lightning_ep.moe.dispatch.base import Dispatched, narrow_keys
+from lightning_ep.moe.dispatch.comm import all_to_all, finish_all_to_all, start_all_to_all
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:

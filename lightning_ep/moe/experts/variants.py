@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lightning_ep.moe.dispatch import block_of_rows
-from lightning_ep.moe.experts import GROUPED_MM, RoutedExperts, with_grad_scale
+from lightning_ep.moe.dispatch.base import block_of_rows
+from lightning_ep.moe.experts.grouped import GROUPED_MM, RoutedExperts, with_grad_scale
 
 
 class InterleavedGLUExperts(RoutedExperts):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_ep.moe.swiglu import swiglu, swiglu_backward
+from lightning_ep.moe.kernels.swiglu import swiglu, swiglu_backward
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 

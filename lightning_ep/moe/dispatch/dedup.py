@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe.comm import InFlight
-from lightning_ep.moe.dispatch import narrow_keys
-from lightning_ep.moe.lazy_triton import lazy_kernels
+from lightning_ep.moe.dispatch.base import narrow_keys
+from lightning_ep.moe.dispatch.comm import InFlight
+from lightning_ep.moe.kernels.lazy_triton import lazy_kernels
 
 _BLOCK_H = 1024
 

@@ -9,6 +9,7 @@ so it draws the very same numbers.
 from __future__ import annotations
 
 from collections import deque
+from typing import Generic, TypeVar
 
 import torch
 
@@ -48,3 +49,25 @@ def make_generator(seed: int, stream: int, device: torch.device) -> torch.Genera
     generator = torch.Generator(device=device)
     generator.manual_seed(((seed * _MIX) ^ (stream * 0x2545F4914F6CDD1D + 1)) & _MASK)
     return generator
+
+
+V = TypeVar("V")
+
+
+class ForwardRecords(Generic[V]):
+    """What training forwards recorded for their activation-checkpointing recomputation, by draw id
+    (``DrawCounter``): the recomputation inside backward recalls its forward's value. At most
+    ``limit`` are kept; the oldest, of forwards never recomputed, are dropped first."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._values: dict[int, V] = {}
+
+    def record(self, draw_id: int, value: V) -> V:
+        self._values[draw_id] = value
+        while len(self._values) > self.limit:
+            del self._values[next(iter(self._values))]
+        return value
+
+    def recall(self, draw_id: int, default: V) -> V:
+        return self._values.pop(draw_id, default)

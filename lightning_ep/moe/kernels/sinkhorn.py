@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_ep.moe.lazy_triton import lazy_kernels
+from lightning_ep.moe.kernels.lazy_triton import lazy_kernels
 
 _BLOCK_ELEMENTS = 16384  # rows x experts of one row block
 _CHUNK = 16  # row blocks whose partials are combined at once

@@ -3,7 +3,7 @@
 Every rank of an expert-parallel group maps one buffer (``SymmetricWorkspace``) of every other
 rank into its own address space (``torch.distributed._symmetric_memory``), so a kernel on rank
 ``r`` can load a row that rank ``s`` wrote, over NVLink, with an ordinary load. The three pull
-kernels here gather rows that way; ``lightning_ep.moe.dispatch_symm`` builds the dispatch on them.
+kernels here gather rows that way; ``lightning_ep.moe.dispatch.symmetric`` builds the dispatch on them.
 A fourth (``copy_live_rows``) puts a padded plan's rows into this rank's own buffer.
 
 One exchange is always: each rank writes its own buffer, ``barrier()`` (a device-side barrier on
@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe.lazy_triton import lazy_kernels
+from lightning_ep.moe.kernels.lazy_triton import lazy_kernels
 
 #: Elements of a row per program. Equal to ``combine._BLOCK_H``: the weight gradients' dot products
 #: then reduce in the same order as the fused combine's, so both give the same bits.

@@ -22,8 +22,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_ep.moe.experts import GROUPED_MM, GroupedExperts, grouped_mm_supported, segment_linear, with_grad_scale
-from lightning_ep.moe.swiglu import swiglu
+from lightning_ep.moe.experts.grouped import (
+    GROUPED_MM,
+    GroupedExperts,
+    grouped_mm_supported,
+    with_grad_scale,
+)
+from lightning_ep.moe.experts.segments import segment_linear
+from lightning_ep.moe.kernels.swiglu import swiglu
 
 #: The expert weights an adapter may sit on, in the order the MLP multiplies by them.
 ADAPTABLE = ("gate_up_proj", "down_proj")

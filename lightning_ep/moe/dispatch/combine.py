@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_ep.moe.lazy_triton import lazy_kernels
+from lightning_ep.moe.kernels.lazy_triton import lazy_kernels
 
 _BLOCK_H = 1024
 

@@ -11,7 +11,7 @@ Every dispatcher has the same two-call interface, and keeps no state between cal
     out_TH = dispatcher.combine(y_MH, weights_TK, dispatched)   # weighted sum over the K choices
 
 ``LocalDispatcher`` (one process, or no expert parallelism) lives here; the collective ones in
-``lightning_ep.moe.dispatch_ep``. Process groups are always passed in by the caller.
+``lightning_ep.moe.dispatch.all_to_all``. Process groups are always passed in by the caller.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_ep.moe.combine import sum_copies, weighted_combine
+from lightning_ep.moe.dispatch.combine import sum_copies, weighted_combine
 
 
 class Dispatched:
@@ -206,7 +206,7 @@ def weighted_unsort(
     """Undo ``gather_rows`` and combine: ``out[t] = sum_k weights[t, k] * y[pair (t, k)]``.
 
     ``inverse_N`` is the inverse of ``order_N``. A fused Triton kernel on CUDA, a permutation
-    gather plus a batched product elsewhere (``lightning_ep.moe.combine``); deterministic, no atomics.
+    gather plus a batched product elsewhere (``lightning_ep.moe.dispatch.combine``); deterministic, no atomics.
     """
     return weighted_combine(y_NH, inverse_N, order_N, weights_TK)
 
@@ -233,3 +233,32 @@ class LocalDispatcher:
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         state = dispatched.state
         return weighted_unsort(y_MH, state["inverse_N"], state["order_N"], weights_TK)
+
+
+def dispatch(
+    dispatcher: Dispatcher,
+    x_TH: torch.Tensor,
+    expert_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    tokens: Any,
+    keep: Any = None,
+) -> Dispatched:
+    """``dispatcher.dispatch`` with what this dispatcher takes of the call: the weights, positions and
+    padding mask (capacity: ``"probs"`` ranks rows by weight), every rank's token count (ragged
+    ranks), or the exchange kept for a recomputation (``keep``). ``tokens``: the call's
+    ``tokens.LayerTokens``."""
+    any_dispatcher: Any = dispatcher
+    if getattr(dispatcher, "takes_weights", False):
+        return any_dispatcher.dispatch(
+            x_TH,
+            expert_ids_TK,
+            weights_TK,
+            positions_T=tokens.positions_T,
+            valid_T=tokens.valid_T,
+            group_tokens=tokens.group_tokens,
+        )
+    if getattr(dispatcher, "needs_group_tokens", False):
+        return any_dispatcher.dispatch(x_TH, expert_ids_TK, group_tokens=tokens.group_tokens)
+    if keep is not None:
+        return any_dispatcher.dispatch(x_TH, expert_ids_TK, keep=keep)
+    return dispatcher.dispatch(x_TH, expert_ids_TK)

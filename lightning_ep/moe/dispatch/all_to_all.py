@@ -12,9 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe.comm import all_gather_rows, all_to_all, finish_all_to_all, reduce_scatter_rows, start_all_to_all
-from lightning_ep.moe.dedup import receive_tokens, send_tokens
-from lightning_ep.moe.dispatch import (
+from lightning_ep.moe.dispatch.base import (
     Dispatched,
     count_ids,
     expert_counts,
@@ -25,6 +23,14 @@ from lightning_ep.moe.dispatch import (
     sort_by_expert,
     weighted_unsort,
 )
+from lightning_ep.moe.dispatch.comm import (
+    all_gather_rows,
+    all_to_all,
+    finish_all_to_all,
+    reduce_scatter_rows,
+    start_all_to_all,
+)
+from lightning_ep.moe.dispatch.dedup import receive_tokens, send_tokens
 
 
 def expert_layout(num_experts: int, group: dist.ProcessGroup) -> tuple[int, int, int]:
@@ -44,7 +50,7 @@ class AllToAllDispatcher:
     weighted sum over the K choices on the token's own rank.
 
     ``dedup=True`` (``MoEConfig.token_dedup``): each token travels once per destination rank and
-    is copied to its local experts there (``lightning_ep.moe.dedup``); the combine is unchanged.
+    is copied to its local experts there (``lightning_ep.moe.dispatch.dedup``); the combine is unchanged.
     """
 
     def __init__(
@@ -58,7 +64,7 @@ class AllToAllDispatcher:
         self.group, self.num_experts = group, num_experts
         self.degree, self.rank, self.num_local_experts = expert_layout(num_experts, group)
         self.max_tokens_per_rank = max_tokens_per_rank
-        #: Send each token once per destination rank (``lightning_ep.moe.dedup``), not once per expert.
+        #: Send each token once per destination rank (``lightning_ep.moe.dispatch.dedup``), not once per expert.
         self.dedup = dedup
 
     #: ``dispatch`` takes ``keep`` (see ``KeptExchange``).

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ep.moe.lazy_triton import lazy_kernels
+from lightning_ep.moe.kernels.lazy_triton import lazy_kernels
 
 _BLOCK = 1024
 
