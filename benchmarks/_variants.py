@@ -34,7 +34,7 @@ VARIANTS = (
     "wide-sort-keys",
     "unfused-copy-sum",
     "unfolded-scale",
-    "session5",
+    "unfused-backward",
     "reference",
     "serial-shared",
     "padded-rows",
@@ -110,7 +110,7 @@ def variant(name: str) -> Iterator[None]:
       into ``[T, K, H]`` and a sum, not the one-pass kernel (``combine.sum_copies``);
     - ``unfolded-scale``: the grouped experts under plain autograd, the gradient scale applied by
       two passes over ``[N, H]`` gradients (``with_grad_scale``), not folded (``grouped_mlp``);
-    - ``session5``: the last three together (the hot path as Session 5 left it);
+    - ``unfused-backward``: the last three together (the backward before they were made, commit 4892753);
     - ``reference``: all of the above (the code before these changes);
     - ``serial-shared``: nothing patched here; ``bench_layer`` sets the layer's
       ``overlap_shared = False`` (shared experts after the dispatch exchange, not during it);
@@ -139,11 +139,11 @@ def variant(name: str) -> Iterator[None]:
         patches |= {"output_head": lambda model: None}
     if name in ("eager-loss", "reference"):
         patches |= {"compile_loss": lambda model, **kwargs: False}
-    if name in ("wide-sort-keys", "session5", "reference"):
+    if name in ("wide-sort-keys", "unfused-backward", "reference"):
         patches |= {"narrow_keys": lambda keys, bound: keys}
-    if name in ("unfused-copy-sum", "session5", "reference"):
+    if name in ("unfused-copy-sum", "unfused-backward", "reference"):
         patches |= {"sum_copies": _sum_copies_by_gather}
-    if name in ("unfolded-scale", "session5", "reference"):
+    if name in ("unfolded-scale", "unfused-backward", "reference"):
         patches |= {"fold_grad_scale": lambda *args: False}
     if name == "padded-rows":
         patches |= {

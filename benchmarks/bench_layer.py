@@ -61,7 +61,8 @@ from _common import (
 from _variants import VARIANTS, variant
 from torch import nn
 
-from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter, dispatch_ep
+from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
+from lightning_ep.moe.dispatch import all_to_all as dispatch_ep
 
 PHASES = ("router", "permutation", "all-to-all", "shared", "experts", "combine")
 

@@ -14,15 +14,20 @@ adapter in PEFT's format beside the merged model.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
-import lightning_ep  # noqa: F401  (registers strategy="expert_parallel")
+import lightning_ep
 from lightning_ep.optim import AdamW
 
 HERE = Path(__file__).resolve().parent
@@ -113,10 +118,61 @@ class MoECausalLM(LightningModule):
         return AdamW(trainable, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 
+class StepProgressBar(TQDMProgressBar):
+    """A progress bar in optimizer steps out of ``max_steps``, with the losses logged to it.
+
+    Lightning's bar counts the batches of each epoch and titles itself ``Epoch {epoch}/{max_epochs - 1}``:
+    a run bounded by ``max_steps`` leaves ``max_epochs`` at -1, hence ``Epoch 2/-2``. This one shows
+    ``step 40/60`` across epochs and leaves out the logger's version (``v_num``). Without a ``max_steps``
+    it is Lightning's bar.
+    """
+
+    @override
+    def init_train_tqdm(self) -> Tqdm:
+        if self.trainer.max_steps <= 0:
+            return super().init_train_tqdm()
+        return Tqdm(
+            desc="step",
+            total=self.trainer.max_steps,
+            initial=self.trainer.global_step,  # a resumed run starts where it stopped
+            position=2 * self.process_position,
+            disable=self.is_disabled,
+            leave=True,
+            dynamic_ncols=True,
+            file=sys.stdout,
+            smoothing=0,
+            bar_format=self.BAR_FORMAT,
+        )
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.max_steps <= 0:
+            super().on_train_epoch_start(trainer, *args)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.max_steps <= 0:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        step = trainer.global_step  # optimizer steps: under gradient accumulation, fewer than batches
+        if self._should_update(step, self.train_progress_bar.total):
+            self.train_progress_bar.n = step
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+
+    @override
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+
 class ExportHF(Callback):
     """At the end of fit, save a checkpoint and export it to a Hugging Face folder (``hf``; a LoRA
     run: the adapter merged in), and for a LoRA run the adapter in PEFT's format (``adapter``) and
-    the base model it adapts (``base``)."""
+    the base model it adapts (``base``). Rank 0 then prints where the checkpoint, the exports, the
+    logger's ``metrics.csv`` and ``MoEMonitor``'s plots are."""
 
     def __init__(self, dirpath: str = "runs/tiny") -> None:
         self.dirpath = Path(dirpath)
@@ -125,7 +181,9 @@ class ExportHF(Callback):
         from lightning_ep.models.hf_io import export_hf
 
         checkpoint = self.dirpath / "last.ckpt"
-        trainer.save_checkpoint(checkpoint)
+        # weights_only=False: a checkpoint to resume from (optimizer and loop states too).
+        trainer.save_checkpoint(checkpoint, weights_only=False)
+        lines = [f"checkpoint: {checkpoint}", f"Hugging Face export: {self.dirpath / 'hf'}"]
         export_hf(pl_module.model, self.dirpath / "hf", hf_config_or_folder=pl_module.model.config)
         if pl_module.hparams.get("lora"):
             from lightning_ep.models.lora_export import export_lora_adapter
@@ -134,10 +192,14 @@ class ExportHF(Callback):
             config = pl_module.model.config
             export_hf(pl_module.model, self.dirpath / "base", hf_config_or_folder=config, merge_lora=False)
             export_lora_adapter(pl_module.model, self.dirpath / "adapter", hf_config_or_folder=config)
-            if trainer.is_global_zero:
-                print(f"LoRA adapter (PEFT format): {self.dirpath / 'adapter'}, its base: {self.dirpath / 'base'}")
+            lines.append(f"LoRA adapter (PEFT format): {self.dirpath / 'adapter'}, its base: {self.dirpath / 'base'}")
+        log_dir = trainer.log_dir  # a broadcast: every rank asks
+        if log_dir is not None and isinstance(trainer.logger, CSVLogger):
+            lines.append(f"metrics: {Path(log_dir) / 'metrics.csv'}")
+        if log_dir is not None and any(isinstance(c, lightning_ep.MoEMonitor) and c.plots for c in trainer.callbacks):
+            lines.append(f"expert-load plots: {Path(log_dir) / 'moe'}")
         if trainer.is_global_zero:
-            print(f"checkpoint: {checkpoint}\nHugging Face export: {self.dirpath / 'hf'}")
+            print("\n".join(lines))
 
 
 def main() -> None:

@@ -4,8 +4,9 @@ one Triton kernel at the memory's rate.
 Why: an MoE model holds most of its parameters in its experts, and each expert-parallel rank keeps
 its experts whole, so the optimizer step streams every expert weight, its gradient and both moments
 once per step (14 bytes per bf16 parameter). torch's fused kernel walks its tensors in chunks of
-65,536 elements, at most 320 chunks per launch, and moves about 2.7 TB/s on an H200; one launch per
-large tensor, its grid covering the tensor, moves about 4.1 TB/s (``benchmarks/RESULTS.md``, Session 11).
+65,536 elements, at most 320 chunks per launch, each launch a partial wave of the GPU, and stays well
+below the memory's rate; one launch per large tensor, its grid covering the tensor, comes close to it
+(measured: ``docs/performance.md``, "Optimizer").
 
 The contract is torch's own fused AdamW, not an approximation of it: the kernel computes what
 ``torch._fused_adamw_`` computes, in the same order, with the same fused multiply-adds and correctly

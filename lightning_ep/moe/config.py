@@ -91,18 +91,18 @@ class MoEConfig:
             dispatch's gradient comes back summed per rank, in fp32 (``lightning_ep.moe.dispatch.dedup``).
             Same math, fewer bytes and HBM passes when a token's K experts share ranks (many small
             experts, small degree), more when they do not (the fp32 gradient is twice the bytes).
-            Measured on 2 x H200 at Qwen3-30B-like shapes (degree 2, ``benchmarks/RESULTS.md``): 5%
-            less GPU time per step, +2-4% tokens/s at 16,384 tokens per GPU, -1-5% at 8,192 where the
-            step is bound by the host launching kernels (dedup launches more). Hence off by default.
+            At Qwen3-30B-like shapes it takes GPU time off a step, which pays at large batches and
+            costs where the step is bound by the host launching kernels (dedup launches more); hence
+            off by default (measured: ``docs/performance.md``, "Token exchange").
         symmetric_memory_dispatch: dropless all-to-all within one node only: instead of NCCL
             all-to-all, each GPU reads the rows it needs straight from the other GPUs' memory, in the
             order its experts take them (CUDA symmetric memory over NVLink;
             ``lightning_ep.moe.dispatch.symmetric``). Same numbers bit for bit, fewer copies of every row.
             Needs CUDA, Triton and every rank of an expert-parallel group on one node; holds one
             buffer per group of about ``1.25 x (T + M) x H`` elements (``M``: the most rows a rank's
-            experts received so far). Off by default; measured on 2 x H200 at Qwen3-30B-like shapes
-            (``benchmarks/RESULTS.md``, Session 7): the fine layer 1.36-1.51x its floor instead of
-            1.46-1.66x, +0-5% tokens/s per step by host, no change at Mixtral shapes. With
+            experts received so far). Off by default; at Qwen3-30B-like shapes it brings a layer closer
+            to its floor and the step a little faster, depending on the host; at Mixtral shapes it
+            changes nothing (``docs/performance.md``, "Token exchange"). With
             ``max_tokens_per_rank = R`` the plan is static: every rank's received rows are padded
             to ``R`` (the grouped GEMMs skip the padding), the buffer holds about ``2 R H`` elements,
             and no layer reads anything back to the host, so the host can run ahead of the GPU.
@@ -112,9 +112,8 @@ class MoEConfig:
             loop calls the dispatchers' ``raise_if_over_budget()``.
             ``T <= R`` tokens per rank. The experts then always run ``grouped_mm`` (bf16 / fp16
             on CUDA; the one-GEMM-per-expert path needs host counts), for no sync at all; fp32
-            experts loop over experts and read the counts. Measured (Session 8): +3.9% tokens/s
-            (median; -4.4% to +7.9%) on the host-bound fine step at 8,192 tokens per GPU, +0-0.6%
-            at 16,384, -2.6% at Mixtral shapes (no per-expert GEMMs).
+            experts loop over experts and read the counts. It helps a host-bound step and costs a
+            little at Mixtral shapes, which lose their per-expert GEMMs (``docs/performance.md``).
         cuda_graphs: replay each MoE layer's dispatch, experts and combine, forward and backward,
             as CUDA graphs (``lightning_ep.moe.graphs``): one launch instead of about a hundred small
             kernels per layer, the same bits. Needs a static plan: at degree 1 the local dispatch
@@ -123,10 +122,9 @@ class MoEConfig:
             captures. Needs bf16 / fp16 experts (the grouped GEMM) whose weights stay in place:
             outside FSDP2 (expert-parallel degree = world size), and no activation checkpointing.
             Holds every layer's activations and temporaries in two memory pools (forward, backward).
-            Measured (``benchmarks/RESULTS.md``, Sessions 9 and 11, H200, Qwen3-30B-like shapes): one
-            layer's forward + backward at degree 2 6.74-6.96 ms instead of 7.35-7.73 (1.25-1.31x its
-            floor); the training step at 8,192 tokens per GPU -0.9% to -2.3% tokens/s at degree 2 on
-            hosts where it is already GPU-bound (before Session 11's separate backward pool). Off by
+            A layer's forward + backward then comes closer to its floor (``benchmarks/RESULTS.md``,
+            "One MoE layer against its floor"); the step gains where the host cannot keep up with
+            the GPU and little where it already does (``docs/performance.md``, "CUDA graphs"). Off by
             default.
     """
 

@@ -8,6 +8,8 @@ degree, ``d`` the expert-parallel degree. Dense parameters are FSDP2-sharded ove
 
 from __future__ import annotations
 
+import warnings
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -56,13 +58,28 @@ def init_mesh(degree: int, *, replicate_degree: int = 1, device_type: str = "cud
     world_size = dist.get_world_size()
     edp = check_layout(world_size, degree, replicate_degree)
     mesh = init_device_mesh(device_type, (replicate_degree, edp, degree), mesh_dim_names=MESH_AXES)
-    mesh["edp", "ep"]._flatten("shard")
+    shard_mesh(mesh)
     return mesh
 
 
+def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D ``"shard"`` mesh (``edp`` x ``ep`` flattened). Its process group is made once, by the
+    first call (``init_mesh``'s); later calls return the same mesh."""
+    return mesh["edp", "ep"]._flatten("shard")
+
+
 def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The ``("replicate", "shard")`` mesh that dense parameters are sharded over."""
-    return mesh["replicate", "shard"]
+    """The ``("replicate", "shard")`` mesh that dense parameters are sharded over.
+
+    Built from the ``replicate`` axis and the flattened ``shard`` mesh itself: slicing a flattened
+    axis out of the world mesh by name (``mesh["replicate", "shard"]``) is deprecated by torch.
+    """
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is None:  # a torch without it: the slice, without torch's deprecation warning
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+            return mesh["replicate", "shard"]
+    return concatenate([mesh["replicate"], shard_mesh(mesh)])
 
 
 def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -46,7 +46,7 @@ def _table_rows(text: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
 
 
-VARIANTS = ["--variants", "fast", "grouped-experts", "dedup", "session5"]
+VARIANTS = ["--variants", "fast", "grouped-experts", "dedup", "unfused-backward"]
 
 
 def test_bench_layer_runs_every_phase(tmp_path: Path) -> None:

@@ -125,7 +125,7 @@ class AllToAllDispatcher:
             T = expert_ids_TK.shape[0]
             dest_TK = torch.div(expert_ids_TK, L, rounding_mode="floor")
             # [D, T], not [T, D]: the scans below run along the inner dim (a scan along the outer dim
-            # of a [T, 2] tensor runs in two threads: 0.75 ms at T = 8192 on an H200).
+            # of a [T, 2] tensor runs in two threads, a long serial scan on a GPU).
             to_rank_DT = torch.zeros((D, T), dtype=torch.bool, device=dest_TK.device).scatter_(0, dest_TK.T, True)
             sent_DC = torch.cat([sent_DC, to_rank_DT.sum(1)[:, None]], dim=1)
         C = sent_DC.shape[1]

@@ -272,9 +272,9 @@ class GroupedExperts(RoutedExperts):
     average expert's first GEMM of at least ``per_expert_min_gflop``) runs one cuBLAS GEMM per
     expert and GEMM, written in place, with the gradient scale folded into the weight-gradient
     GEMMs. On an H200 it beats the grouped GEMM on large experts whatever the rows (Mixtral's
-    4096 x 14336: 4-12% less time for 512 to 4096 rows per expert; a 120 GFLOP first GEMM at 512
-    rows) and loses on narrow ones (width 768 or 1408, 512 to 4096 rows: up to 3x slower; even at
-    best, width 1408 and 4096 rows, a 47 GFLOP first GEMM); see ``benchmarks/RESULTS.md``, Session 4.
+    4096 x 14336) and loses, by up to several times, on narrow ones (width 768 or 1408), hence the
+    threshold on an average expert's GEMM size; measured with ``benchmarks/bench_experts.py``
+    (``docs/performance.md``, "Expert GEMMs").
     """
 
     per_expert_min_gflop = 64.0
