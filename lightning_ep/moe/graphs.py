@@ -2,10 +2,10 @@
 
 With the symmetric-memory dispatch and a row budget (``max_tokens_per_rank``), and at degree 1 with
 the local dispatch, nothing in a layer between its routing and its output depends on the host: every
-shape is static and no value is read back. The host then spends more time launching that part's
-hundred-odd small kernels than the GPU spends running them at Qwen3-30B-like shapes
-(``benchmarks/RESULTS.md``, Session 8). ``LayerGraphs`` captures the part once in a CUDA graph for the
-forward and one for the backward, and from then on launches each with one call:
+shape is static and no value is read back. At fine-grained shapes the host then spends more time
+launching that part's hundred-odd small kernels than the GPU spends running them. ``LayerGraphs``
+captures the part once in a CUDA graph for the forward and one for the backward, and from then on
+launches each with one call:
 
 - the first ``WARMUP`` training calls of a layer run eagerly (Triton, ``torch.compile`` and NCCL
   initialise there); the next one captures the forward, and its backward the backward;
