@@ -71,3 +71,7 @@ class ForwardRecords(Generic[V]):
 
     def recall(self, draw_id: int, default: V) -> V:
         return self._values.pop(draw_id, default)
+
+    def __len__(self) -> int:
+        """How many forwards still await their recomputation."""
+        return len(self._values)
