@@ -25,10 +25,10 @@ pytestmark = pytest.mark.distributed
 
 RATE = 0.001  # MoEConfig.balance_update_rate's default, which fit_worker.py keeps
 # Per mode: the uninterrupted run's extra arguments. "balanced" accumulates two micro-batches per step
-# and saves a full checkpoint file; the others save sharded (DCP) checkpoints.
+# and saves a full checkpoint file; the others save sharded (DCP) checkpoints. ("aux_loss" keeps no
+# state of its own beyond what "sinkhorn" and "none" resume: its resume is left to them.)
 MODES = {
     "sinkhorn": (),
-    "aux_loss": (),
     "balanced": ("--batch", "1", "--accumulate", "2", "--full-checkpoint"),
     "none": (),
 }
@@ -95,7 +95,7 @@ def test_resume_reproduces_the_uninterrupted_run(saved: dict, mode: str) -> None
     """Resumed from step 2, the losses are the uninterrupted run's (1e-6), and so are the biases.
 
     ``"none"`` resumes from a checkpoint stripped of its MoE record, as saved before the record existed:
-    it loads unchecked. (``test_strategy.py`` resumes ``"none"`` with the record, at degrees 1, 2 and 4.)
+    it loads unchecked. (``test_strategy.py`` resumes ``"none"`` with the record, at degrees 1 and 4.)
     """
     tmp, full = saved["tmp"], saved[mode]
     checkpoint = tmp / f"{mode}.ckpt"

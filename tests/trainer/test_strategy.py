@@ -90,8 +90,6 @@ def test_finetune_from_hf_folder_matches_reference(runs: dict) -> None:
         (("--degree", "auto"), 4),
         (("--degree", "2", "--replicate", "2"), 2),
         (("--degree", "2", "--activation-checkpointing"), 2),
-        (("--degree", "2", "--activation-checkpointing", "keep_all_to_all"), 2),
-        (("--degree", "2", "--compile"), 2),
         (("--degree", "2", "--activation-checkpointing", "keep_all_to_all", "--compile"), 2),
     ],
     ids=[
@@ -99,8 +97,6 @@ def test_finetune_from_hf_folder_matches_reference(runs: dict) -> None:
         "auto-is-4",
         "degree2-replicate2",
         "degree2-activation-checkpointing",
-        "degree2-keep-all-to-all",
-        "degree2-compile",
         "degree2-keep-all-to-all-compile",
     ],
 )
@@ -141,7 +137,7 @@ def test_gradient_accumulation_equals_double_batch(runs: dict) -> None:
     assert_close(total, [(sum(aux[2 * k]) + sum(aux[2 * k + 1])) / 2 for k in range(4)])
 
 
-@pytest.mark.parametrize("degree", ["2", "1", "4"])
+@pytest.mark.parametrize("degree", ["1", "4"])  # saved at 2; resuming at the same degree: test_resume.py
 def test_resume_sharded_checkpoint_at_any_degree(runs: dict, degree: str) -> None:
     tmp = runs["tmp"]
     resumed = run(tmp, f"resume-{degree}", "--degree", degree, "--resume", str(tmp / "sharded.ckpt"))
