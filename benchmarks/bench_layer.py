@@ -250,6 +250,20 @@ def parallelize(
     return layer
 
 
+def median_ms(step: Any, device: torch.device, warmup: int, iters: int) -> float:
+    """The median device time of ``step()`` over ``iters`` timed calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        step()
+    samples = []
+    for _ in range(iters):
+        timer = Timer(device)
+        timer.start()
+        step()
+        timer.stop()
+        samples.append(timer.ms())
+    return statistics.median(samples)
+
+
 def measure(
     layer: MoELayer, shape: Shape, tokens: int, device: torch.device, dtype: torch.dtype, args: Any
 ) -> dict[str, Any]:
@@ -264,16 +278,7 @@ def measure(
         for p in params:
             p.grad = None
 
-    for _ in range(args.warmup):
-        step()
-    samples = []
-    for _ in range(args.iters):
-        timer = Timer(device)
-        timer.start()
-        step()
-        timer.stop()
-        samples.append(timer.ms())
-    total = statistics.median(samples)
+    total = median_ms(step, device, args.warmup, args.iters)
     syncs = count_host_syncs(step)
     if layer.config.cuda_graphs:  # the marked run is eager: no phases of the graphs
         return {"total": total, "marked": float("nan"), "syncs": syncs, **dict.fromkeys(PHASES, float("nan"))}

@@ -17,12 +17,11 @@ torchtitan is not a dependency: put its wheel and those of ``spmd_types``, ``tyr
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import Any
 
 import torch
-from _common import SHAPES, Shape, Timer, add_record_args, grouped_gemm_fwd_bwd_ms, log, markdown_table, report
-from bench_layer import build_layer
+from _common import SHAPES, Shape, add_record_args, grouped_gemm_fwd_bwd_ms, log, markdown_table, report
+from bench_layer import build_layer, median_ms
 
 from lightning_ep import MoEConfig
 
@@ -71,16 +70,7 @@ def time_fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, ar
         for p in params:
             p.grad = None
 
-    for _ in range(args.warmup):
-        step()
-    samples = []
-    for _ in range(args.iters):
-        timer = Timer(x.device)
-        timer.start()
-        step()
-        timer.stop()
-        samples.append(timer.ms())
-    return statistics.median(samples)
+    return median_ms(step, x.device, args.warmup, args.iters)
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from _common import SHAPES, device_name, log, markdown_table, versions
+from bench_step import hf_config
 
 from lightning_ep.plan import Hardware, Layout, Workload, model_shape, rank_memory, step_time
 
@@ -54,34 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def hf_config(shape_name: str, seq: int) -> Any:
-    from transformers import MixtralConfig
-
-    shape = SHAPES[shape_name]
-    return MixtralConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.inter,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        num_local_experts=shape.experts,
-        num_experts_per_tok=shape.top_k,
-        max_position_embeddings=seq,
-        output_router_logits=False,
-        router_jitter_noise=0.0,
-        tie_word_embeddings=False,
-    )  # as bench_step.hf_config builds it
-
-
 def predictions(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One record per (shape, precision, checkpointing): the plan's peak bytes and step seconds."""
     hardware = Hardware.h200() if args.hardware == "h200" else Hardware.h100()
     layout = Layout(world=1, degree=1)
     records = []
     for shape_name in args.shapes:
-        shape = model_shape(hf_config(shape_name, args.seq))
+        shape = model_shape(hf_config(SHAPES[shape_name], args.seq))
         for precision in args.precisions:
             for ac in CHECKPOINTING:
                 workload = Workload(
