@@ -14,7 +14,7 @@ What each choice does:
 - ``cuda_graphs``: replay each MoE layer's dispatch, experts and combine, forward and backward, as
   CUDA graphs (``lightning_ep.moe.graphs``), the same bits. Needs a static plan and experts whose
   weights stay in place (expert-parallel degree = world size), bf16 experts, no activation
-  checkpointing and a dropless dispatch.
+  checkpointing, a dropless dispatch and, for LoRA on the experts, ranks that are multiples of 8.
 - ``exchange``: ``"collective"`` (the process group's all-to-all or all-gather: NCCL on GPUs, gloo
   on CPU) or ``"symmetric_memory"`` (each GPU pulls its rows from the
   others' memory over NVLink; one node only; the same bits).
@@ -94,7 +94,7 @@ class Environment:
     replicate_degree: int = 1
     precision: str = "32-true"
     activation_checkpointing: bool | str = False
-    lora_experts: bool = False  # LoRA adapters on the experts (PEFT's target_parameters)
+    lora_ranks: tuple[int, ...] = ()  # ranks of the LoRA adapters on the experts (PEFT's target_parameters)
 
     @property
     def world_size(self) -> int:
@@ -321,8 +321,9 @@ def _graphs_blocker(env: Environment, moe: MoEConfig, *, symmetric: bool, budget
         return "no activation checkpointing"
     if moe.capacity_factor is not None:
         return "a dropless dispatch (capacity_factor is set)"
-    if env.lora_experts:
-        return "experts without LoRA adapters (the graphs capture the base weights only)"
+    unaligned = sorted({r for r in env.lora_ranks if r % 8})
+    if unaligned:  # the adapters' grouped GEMMs need 16-byte rows; the per-expert loop reads counts on the host
+        return f"expert LoRA ranks that are multiples of 8 for the grouped GEMM (ranks {unaligned})"
     if env.degree != env.world_size:
         return f"expert weights that stay in place (degree {env.degree} = world size {env.world_size})"
     if env.degree > 1 and not (symmetric and budget is not None):

@@ -50,15 +50,22 @@ def environment(strategy: ExpertParallelStrategy, hf_model: nn.Module | None = N
         replicate_degree=strategy.replicate_degree,
         precision=str(strategy.precision_plugin.precision),
         activation_checkpointing=strategy.activation_checkpointing,
-        lora_experts=hf_model is not None and _has_expert_adapters(hf_model),
+        lora_ranks=expert_lora_ranks(hf_model) if hf_model is not None else (),
     )
 
 
-def _has_expert_adapters(model: nn.Module) -> bool:
-    """LoRA on 3-D expert weights: PEFT's parameter wrappers, or their factors carried into the experts."""
+def expert_lora_ranks(model: nn.Module) -> tuple[int, ...]:
+    """The ranks of the LoRA adapters on 3-D expert weights, sorted and without repeats: those of
+    PEFT's parameter wrappers, or of their factors carried into the experts."""
     from lightning_ep.moe.experts.lora import LoRAGroupedExperts
 
-    return any(isinstance(m, LoRAGroupedExperts) or type(m).__name__ == "ParamWrapper" for m in model.modules())
+    ranks: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, LoRAGroupedExperts):
+            ranks.update(module.lora_rank.values())
+        elif type(module).__name__ == "ParamWrapper":
+            ranks.update(int(r) for r in getattr(module, "r", {}).values())
+    return tuple(sorted(ranks))
 
 
 def resolve_for(strategy: ExpertParallelStrategy, hf_model: nn.Module) -> Resolved:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from lightning_ep.moe.experts.grouped import RoutedExperts, grouped_mm_supported, local_tensor
+from lightning_ep.moe.experts.lora import LoRAGroupedExperts
 
 #: Eager training calls of a layer before its graphs are captured.
 WARMUP = 2
@@ -204,11 +205,12 @@ class LayerGraphs:
         self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, weights: list[torch.Tensor]
     ) -> None:
         dtype = self.experts.compute_dtype
-        gemm_local = [  # what the GEMMs multiply (on the meta device: only dtypes and shapes matter)
-            local_tensor(w).detach().to(device="meta", dtype=dtype or w.dtype)
-            for w in (getattr(self.experts, name, None) for name in ("gate_up_proj", "down_proj"))
-            if w is not None
-        ]
+
+        def on_meta(w: torch.Tensor) -> torch.Tensor:  # what a GEMM multiplies: only its dtype and shape matter
+            return local_tensor(w).detach().to(device="meta", dtype=dtype or w.dtype)
+
+        names = ("gate_up_proj", "down_proj")
+        gemm_local = [on_meta(w) for w in (getattr(self.experts, n, None) for n in names) if w is not None]
         if self.experts.use_grouped_mm is False or not grouped_mm_supported(x_TH, *gemm_local):
             raise ValueError(
                 "MoEConfig.cuda_graphs=True needs the experts' grouped GEMM (bf16 or fp16 rows and weights on CUDA, "
@@ -216,6 +218,14 @@ class LayerGraphs:
                 f"{[w.dtype for w in gemm_local]}: the per-expert loop reads the counts on the host, which a graph "
                 "cannot. Train in bf16 (precision='bf16-true' or 'bf16-mixed') or set cuda_graphs=False."
             )
+        if isinstance(self.experts, LoRAGroupedExperts):
+            if not self.experts.grouped_mm_runs(x_TH, [on_meta(w) for w in self.experts._params()]):
+                raise ValueError(
+                    "MoEConfig.cuda_graphs=True needs the grouped GEMM for the experts' LoRA factors too, whose rows "
+                    f"must be 16-byte aligned, but the ranks are {self.experts.lora_rank}: the per-expert loop reads "
+                    "the counts on the host, which a graph cannot. Use a LoRA rank that is a multiple of 8, or set "
+                    "cuda_graphs=False."
+                )
         self._key = _key(x_TH, ids_TK, weights_TK, self._weights())
         # ``.data``: aliases with a version counter of their own. The capture's autograd graph saves the
         # inputs at version 0; the replays' writes into them, and the optimizer's into the weights, must

@@ -16,7 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 STEPS = 5
 
 
-def _fit(execution: Any, balancing: str) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+def _fit(
+    execution: Any, balancing: str, *, lora: bool = False, precision: str = "bf16-true"
+) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     import lightning.pytorch as pl
     from transformers import MixtralForCausalLM
 
@@ -32,6 +34,14 @@ def _fit(execution: Any, balancing: str) -> tuple[list[float], dict[str, torch.T
                 torch.manual_seed(0)
                 config = tiny_mixtral_config(hidden_size=128, intermediate_size=64, num_hidden_layers=2)
                 self.model = MixtralForCausalLM(config)
+                if lora:  # PEFT LoRA on attention and on both expert weights, rank 8 (grouped-GEMM aligned)
+                    from peft import LoraConfig, get_peft_model
+
+                    targets = ["experts.gate_up_proj", "experts.down_proj"]
+                    adapters = LoraConfig(
+                        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], target_parameters=targets
+                    )
+                    self.model = get_peft_model(self.model, adapters)
 
         def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
             loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
@@ -51,7 +61,7 @@ def _fit(execution: Any, balancing: str) -> tuple[list[float], dict[str, torch.T
     module = Module()
     strategy = ExpertParallelStrategy(1, moe=MoEConfig(moe_load_balancing=balancing), execution=execution)  # type: ignore[arg-type]
     trainer = pl.Trainer(
-        accelerator="gpu", devices=1, strategy=strategy, precision="bf16-true", max_steps=STEPS, logger=False,
+        accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
@@ -74,6 +84,23 @@ def test_automatic_graphs_and_adamw_give_the_same_bits(single_process: None, bal
     assert auto_losses == off_losses
     for name, value in off_params.items():
         assert torch.equal(auto_params[name], value), name
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_lora_experts_replay_graphs_with_the_same_bits(single_process: None, precision: str) -> None:
+    """LoRA factors on the experts are graph inputs like the base weights: the replayed steps give
+    the eager steps' losses and adapters bit for bit, and the frozen weights stay as they were."""
+    from lightning_ep import Execution
+
+    graphs_losses, graphs_params, graphs = _fit(Execution(compile=False), "none", lora=True, precision=precision)
+    assert graphs.resolved.cuda_graphs and graphs.captured, "LoRA experts replayed CUDA graphs"
+    eager_losses, eager_params, _ = _fit(
+        Execution(compile=False, cuda_graphs=False), "none", lora=True, precision=precision
+    )
+    assert graphs_losses == eager_losses
+    assert any("lora_B" in name and value.abs().sum() > 0 for name, value in eager_params.items()), "adapters trained"
+    for name, value in eager_params.items():
+        assert torch.equal(graphs_params[name], value), name
 
 
 def test_automatic_compile_agrees_to_bf16_rounding(single_process: None) -> None:

@@ -89,8 +89,9 @@ def test_fp32_and_capacity_keep_graphs_off() -> None:
     assert "bf16 experts (precision is 32-true)" in resolve(Execution(), _env(precision="32-true"), MoEConfig()).table()
     table = resolve(Execution(), _env(), MoEConfig(capacity_factor=1.25)).table()
     assert "a dropless dispatch (capacity_factor is set)" in table
-    table = resolve(Execution(), _env(lora_experts=True), MoEConfig()).table()
-    assert "experts without LoRA adapters" in table
+    assert resolve(Execution(), _env(lora_ranks=(8, 16)), MoEConfig()).cuda_graphs
+    table = resolve(Execution(), _env(lora_ranks=(4, 16)), MoEConfig()).table()
+    assert "expert LoRA ranks that are multiples of 8 for the grouped GEMM (ranks [4])" in table
 
 
 def test_forced_choices_are_kept_or_refused_by_name() -> None:
