@@ -23,6 +23,7 @@ nothing back.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import types
 from typing import Any
@@ -109,17 +110,19 @@ _triton = lazy_kernels(_build)
 
 
 def fused_sinkhorn_available(logits_TE: torch.Tensor) -> bool:
-    """Whether the Triton kernels run for ``logits_TE``: fp32 on CUDA, Triton importable, and not
-    being traced by ``torch.compile`` (which fuses the torch version's iterations itself)."""
-    return (
-        logits_TE.is_cuda
-        and logits_TE.dtype == torch.float32
-        and not torch.compiler.is_compiling()
-        and _triton() is not None
-    )
+    """Whether the Triton kernels run for ``logits_TE``: fp32 on CUDA with Triton importable. Under
+    ``torch.compile`` too: the launch is the custom operator ``lightning_ep::sinkhorn_log``, which
+    Inductor calls as it is instead of tracing the torch version's iterations (some 60 kernels per
+    layer, each launched by the host)."""
+    if not (logits_TE.is_cuda and logits_TE.dtype == torch.float32):
+        return False
+    return _TRITON if torch.compiler.is_compiling() else _triton() is not None
 
 
-@torch.no_grad()
+#: Whether Triton can be imported, as a plain constant that ``torch.compile`` reads without tracing.
+_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def sinkhorn_log_fused(logits_TE: torch.Tensor, iterations: int, *, programs: int | None = None) -> torch.Tensor:
     """``router.sinkhorn_log(logits_TE, iterations)`` (no padding mask) in one kernel launch.
 
@@ -132,14 +135,20 @@ def sinkhorn_log_fused(logits_TE: torch.Tensor, iterations: int, *, programs: in
     Returns:
         ``[T, E]`` fp32 log-scores (a new tensor; no gradient).
     """
+    return _sinkhorn_op(logits_TE.detach(), iterations, 0 if programs is None else programs)
+
+
+@torch.library.custom_op("lightning_ep::sinkhorn_log", mutates_args=())
+def _sinkhorn_op(logits_TE: torch.Tensor, iterations: int, programs: int) -> torch.Tensor:
+    """The launch (``programs`` 0: the default count), an operator that ``torch.compile`` keeps whole."""
     kernels = _triton()
-    logits_TE = logits_TE.detach().contiguous()
+    logits_TE = logits_TE.contiguous()
     num_tokens, num_experts = logits_TE.shape
     block_e = triton_next_power_of_2(num_experts)
     block_t = max(1, min(triton_next_power_of_2(num_tokens), _BLOCK_ELEMENTS // block_e))
     blocks = -(-num_tokens // block_t)
     device = logits_TE.device
-    if programs is None:
+    if programs == 0:
         programs = min(blocks, torch.cuda.get_device_properties(device).multi_processor_count)
     log_u = torch.empty(num_tokens, dtype=torch.float32, device=device)
     partials = torch.empty((2, 2, blocks, num_experts), dtype=torch.float32, device=device)  # [(max, sum), buffer]
@@ -154,6 +163,11 @@ def sinkhorn_log_fused(logits_TE: torch.Tensor, iterations: int, *, programs: in
         num_warps=8, launch_cooperative_grid=True,
     )  # fmt: skip
     return out
+
+
+@_sinkhorn_op.register_fake
+def _(logits_TE: torch.Tensor, iterations: int, programs: int) -> torch.Tensor:
+    return torch.empty(logits_TE.shape, dtype=logits_TE.dtype, device=logits_TE.device)
 
 
 def triton_next_power_of_2(n: int) -> int:
