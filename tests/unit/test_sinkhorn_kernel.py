@@ -26,6 +26,20 @@ for T, E, iterations in [(1, 4, 1), (7, 8, 3), (100, 128, 30), (300, 60, 5), (50
     assert torch.equal(torch.topk(got, k).indices, torch.topk(ref, k).indices), (T, E, iterations)
     # Columns sum to T / E, rows to about 1, as the torch version's.
     assert torch.allclose(got.exp().sum(0), torch.full((E,), T / E), rtol=1e-4), (T, E)
+
+# Padded rows (router.sinkhorn_log's valid_T): out of the column sums, their own scores -inf; a block
+# of padding only, and padding spread over the rows.
+for T, E, pad in [(100, 16, slice(60, None)), (300, 60, slice(None, None, 3))]:
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(E)) * 4
+    valid = torch.ones(T, dtype=torch.bool)
+    valid[pad] = False
+    ref = router.sinkhorn_log(logits, 10, valid)
+    got = sinkhorn.sinkhorn_log_fused(logits, 10, valid, programs=1)
+    assert torch.equal(got[~valid], ref[~valid]) and bool(torch.isneginf(got[~valid]).all()), (T, E)
+    err = (got[valid] - ref[valid]).abs().max().item()
+    assert err < 2e-5, (T, E, err)
+    n = int(valid.sum())
+    assert torch.allclose(got[valid].exp().sum(0), torch.full((E,), n / E), rtol=1e-4), (T, E)
 print("ok")
 """
 

@@ -15,10 +15,12 @@ blocks ``g, g + G, ...``. Every iteration:
    the block's column partials of ``l + log u`` (two buffers, alternating by iteration);
 3. it waits at a grid barrier (an atomic counter) until every program has written its partials.
 
-A last pass combines the final partials and writes ``l + log u + log v``. The same log-domain
-arithmetic as the torch version, in another order: the results agree to fp32 rounding. The logits
-(``T x E`` fp32, 4 MiB at 8192 x 128) stay in L2 across iterations. The host launches once and reads
-nothing back.
+A last pass combines the final partials and writes ``l + log u + log v``. Padded rows (a mask, as
+``router.sinkhorn_log`` takes it) keep ``log u = -inf``, so they drop out of every column sum, and
+the columns then target ``N / E`` for the ``N`` real tokens, a scalar the kernel reads on the device.
+The same log-domain arithmetic as the torch version, in another order: the results agree to fp32
+rounding. The logits (``T x E`` fp32, 4 MiB at 8192 x 128) stay in L2 across iterations. The host
+launches once and reads nothing back.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ _CHUNK = 16  # row blocks whose partials are combined at once
 def _build(triton: Any, tl: Any) -> Any:
     @triton.jit
     def sinkhorn(
-        logits, log_u, part_m, part_s, out, counter, T, E, num_blocks, log_target,
+        logits, log_u, part_m, part_s, out, counter, T, E, num_blocks, log_target, valid, real_target,
         ITERATIONS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-        NUM_CHUNKS: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+        NUM_CHUNKS: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, MASKED: tl.constexpr,
     ):  # fmt: skip
         program, programs = tl.program_id(0), tl.num_programs(0)
+        if MASKED:  # padded rows: log u = -inf, out of every column sum; the columns target N / E
+            log_target = tl.load(real_target)
         offs_e = tl.arange(0, BLOCK_E)
         mask_e = offs_e < E
         part_size = num_blocks * E
@@ -85,6 +89,9 @@ def _build(triton: Any, tl: Any) -> Any:
                     row_m = tl.max(y, axis=1)
                     safe_row = tl.where(mask_t, row_m, 0.0)
                     u = -(safe_row + tl.log(tl.sum(tl.exp(y - safe_row[:, None]), axis=1)))
+                    if MASKED:
+                        real_t = tl.load(valid + offs_t, mask=mask_t, other=0) != 0
+                        u = tl.where(real_t, u, float("-inf"))
                     tl.store(log_u + offs_t, u, mask=mask_t)
                     # This block's column partials of l + log u.
                     z = tl.where(mask, x + u[:, None], float("-inf"))
@@ -123,23 +130,26 @@ def fused_sinkhorn_available(logits_TE: torch.Tensor) -> bool:
 _TRITON = importlib.util.find_spec("triton") is not None
 
 
-def sinkhorn_log_fused(logits_TE: torch.Tensor, iterations: int, *, programs: int | None = None) -> torch.Tensor:
-    """``router.sinkhorn_log(logits_TE, iterations)`` (no padding mask) in one kernel launch.
+def sinkhorn_log_fused(
+    logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor | None = None, *, programs: int | None = None
+) -> torch.Tensor:
+    """``router.sinkhorn_log(logits_TE, iterations, valid_T)`` in one kernel launch.
 
     Args:
         logits_TE: fp32 ``[T, E]`` on CUDA (or on CPU under Triton's interpreter), ``T >= 1``.
         iterations: row + column rescalings, at least 1.
+        valid_T: bool ``[T]``, ``False`` at padded positions (``router.sinkhorn_log``'s mask), or ``None``.
         programs: how many programs share the row blocks (default: one per block, at most one per
             streaming multiprocessor); under Triton's CPU interpreter, which runs programs one after
             another, it must be 1.
     Returns:
         ``[T, E]`` fp32 log-scores (a new tensor; no gradient).
     """
-    return _sinkhorn_op(logits_TE.detach(), iterations, 0 if programs is None else programs)
+    return _sinkhorn_op(logits_TE.detach(), iterations, valid_T, 0 if programs is None else programs)
 
 
 @torch.library.custom_op("lightning_ep::sinkhorn_log", mutates_args=())
-def _sinkhorn_op(logits_TE: torch.Tensor, iterations: int, programs: int) -> torch.Tensor:
+def _sinkhorn_op(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor | None, programs: int) -> torch.Tensor:
     """The launch (``programs`` 0: the default count), an operator that ``torch.compile`` keeps whole."""
     kernels = _triton()
     logits_TE = logits_TE.contiguous()
@@ -154,19 +164,24 @@ def _sinkhorn_op(logits_TE: torch.Tensor, iterations: int, programs: int) -> tor
     partials = torch.empty((2, 2, blocks, num_experts), dtype=torch.float32, device=device)  # [(max, sum), buffer]
     counter = torch.zeros(1, dtype=torch.int32, device=device)
     out = torch.empty_like(logits_TE)
+    if valid_T is None:
+        valid, real_target = counter, counter  # not read
+    else:  # the torch version's column target, log(N / E) with N the real tokens, on the device
+        valid = valid_T.contiguous().to(torch.int8)
+        real_target = torch.log(valid_T.sum().clamp_min(1).to(torch.float32) / num_experts).reshape(1)
     kernels.sinkhorn[(programs,)](
         logits_TE, log_u, partials[0], partials[1], out, counter, num_tokens, num_experts, blocks,
-        math.log(num_tokens / num_experts),
+        math.log(num_tokens / num_experts), valid, real_target,
         ITERATIONS=iterations, BLOCK_T=block_t, BLOCK_E=block_e, CHUNK=_CHUNK,
         NUM_CHUNKS=triton_next_power_of_2(-(-blocks // _CHUNK)),
         BLOCKS_PER_PROGRAM=triton_next_power_of_2(-(-blocks // programs)),
-        num_warps=8, launch_cooperative_grid=True,
+        MASKED=valid_T is not None, num_warps=8, launch_cooperative_grid=True,
     )  # fmt: skip
     return out
 
 
 @_sinkhorn_op.register_fake
-def _(logits_TE: torch.Tensor, iterations: int, programs: int) -> torch.Tensor:
+def _(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor | None, programs: int) -> torch.Tensor:
     return torch.empty(logits_TE.shape, dtype=logits_TE.dtype, device=logits_TE.device)
 
 

@@ -77,7 +77,7 @@ def sinkhorn_log(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor
 
     Alternately rescales rows to sum to 1 and columns to sum to ``T / E``, in the log domain so
     large logits cannot overflow. A fixed iteration count keeps it free of host syncs. On CUDA in fp32
-    (without ``valid_T``) it runs as one Triton kernel launch (``lightning_ep.moe.kernels.sinkhorn``).
+    it runs as one Triton kernel launch (``lightning_ep.moe.kernels.sinkhorn``), padded or not.
 
     Args:
         logits_TE: float ``[T, E]``.
@@ -92,8 +92,8 @@ def sinkhorn_log(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor
     num_tokens, num_experts = logits_TE.shape
     if num_tokens == 0:
         return logits_TE
-    if valid_T is None and fused_sinkhorn_available(logits_TE):
-        return sinkhorn_log_fused(logits_TE, iterations)  # one launch on CUDA
+    if fused_sinkhorn_available(logits_TE):
+        return sinkhorn_log_fused(logits_TE, iterations, valid_T)  # one launch on CUDA
     if valid_T is None:
         log_col_target: torch.Tensor | float = math.log(num_tokens / num_experts)
     else:
