@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import warnings
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -57,14 +57,15 @@ def environment(strategy: ExpertParallelStrategy, hf_model: nn.Module | None = N
 def expert_lora_ranks(model: nn.Module) -> tuple[int, ...]:
     """The ranks of the LoRA adapters on 3-D expert weights, sorted and without repeats: those of
     PEFT's parameter wrappers, or of their factors carried into the experts."""
+    from lightning_ep.models.peft_lora import is_param_wrapper
     from lightning_ep.moe.experts.lora import LoRAGroupedExperts
 
     ranks: set[int] = set()
     for module in model.modules():
         if isinstance(module, LoRAGroupedExperts):
             ranks.update(module.lora_rank.values())
-        elif type(module).__name__ == "ParamWrapper":
-            ranks.update(int(r) for r in getattr(module, "r", {}).values())
+        elif is_param_wrapper(module):
+            ranks.update(int(r) for r in cast(dict[str, int], module.r).values())  # PEFT: {adapter name: rank}
     return tuple(sorted(ranks))
 
 

@@ -79,7 +79,7 @@ def check_peft_model(model: nn.Module) -> Any | None:
     config = next(iter(configs.values()))
     wrapped = []  # PEFT's wrappers (nested ones sit at <experts>.base_layer...), or what transform made of them
     for path, module in model.named_modules():
-        if _is_param_wrapper(module):
+        if is_param_wrapper(module):
             wrapped.append(f"{path.replace('.base_layer', '')}.{module.parameter_name}")
         elif isinstance(module, LoRAGroupedExperts):
             wrapped.extend(f"{path}.{weight}" for weight in module.lora_scaling)
@@ -93,7 +93,8 @@ def check_peft_model(model: nn.Module) -> Any | None:
     return config
 
 
-def _is_param_wrapper(module: nn.Module) -> bool:
+def is_param_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is PEFT's LoRA wrapper of a 3-D parameter (``False`` without PEFT)."""
     peft = _peft()
     return peft is not None and isinstance(module, peft.tuners.lora.ParamWrapper)
 
@@ -143,7 +144,7 @@ def peel_expert_adapters(
     adapters: dict[str, ExpertLoRA] = {}
     renames: dict[str, str] = {}
     prefix = experts_name
-    while _is_param_wrapper(module):
+    while is_param_wrapper(module):
         weight, adapter, scaling = _check_wrapper(module, f"{where}.{prefix}")
         base = module.get_base_layer()
         num_experts = getattr(base, weight).shape[0]

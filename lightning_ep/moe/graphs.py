@@ -40,7 +40,6 @@ import torch
 from torch import nn
 
 from lightning_ep.moe.experts.grouped import RoutedExperts, grouped_mm_supported, local_tensor
-from lightning_ep.moe.experts.lora import LoRAGroupedExperts
 
 #: Eager training calls of a layer before its graphs are captured.
 WARMUP = 2
@@ -218,14 +217,13 @@ class LayerGraphs:
                 f"{[w.dtype for w in gemm_local]}: the per-expert loop reads the counts on the host, which a graph "
                 "cannot. Train in bf16 (precision='bf16-true' or 'bf16-mixed') or set cuda_graphs=False."
             )
-        if isinstance(self.experts, LoRAGroupedExperts):
-            if not self.experts.grouped_mm_runs(x_TH, [on_meta(w) for w in self.experts._params()]):
-                raise ValueError(
-                    "MoEConfig.cuda_graphs=True needs the grouped GEMM for the experts' LoRA factors too, whose rows "
-                    f"must be 16-byte aligned, but the ranks are {self.experts.lora_rank}: the per-expert loop reads "
-                    "the counts on the host, which a graph cannot. Use a LoRA rank that is a multiple of 8, or set "
-                    "cuda_graphs=False."
-                )
+        if not self.experts.grouped_mm_runs(x_TH, [on_meta(w) for w in self._weights()]):
+            raise ValueError(
+                "MoEConfig.cuda_graphs=True needs the grouped GEMM for every weight of the experts, LoRA factors "
+                f"included, whose rows must be 16-byte aligned, but their shapes are "
+                f"{[tuple(w.shape) for w in self._weights()]}: the per-expert loop reads the counts on the host, which "
+                "a graph cannot. Use a LoRA rank that is a multiple of 8, or set cuda_graphs=False."
+            )
         self._key = _key(x_TH, ids_TK, weights_TK, self._weights())
         # ``.data``: aliases with a version counter of their own. The capture's autograd graph saves the
         # inputs at version 0; the replays' writes into them, and the optimizer's into the weights, must

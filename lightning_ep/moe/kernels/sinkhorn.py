@@ -121,9 +121,7 @@ def fused_sinkhorn_available(logits_TE: torch.Tensor) -> bool:
     ``torch.compile`` too: the launch is the custom operator ``lightning_ep::sinkhorn_log``, which
     Inductor calls as it is instead of tracing the torch version's iterations (some 60 kernels per
     layer, each launched by the host)."""
-    if not (logits_TE.is_cuda and logits_TE.dtype == torch.float32):
-        return False
-    return _TRITON if torch.compiler.is_compiling() else _triton() is not None
+    return logits_TE.is_cuda and logits_TE.dtype == torch.float32 and _TRITON
 
 
 #: Whether Triton can be imported, as a plain constant that ``torch.compile`` reads without tracing.
