@@ -39,6 +39,7 @@ VARIANTS = (
     "serial-shared",
     "padded-rows",
     "torch-sinkhorn",
+    "torch-cast",
 )
 
 _SWIGLU, _SWIGLU_BACKWARD = swiglu.swiglu, swiglu.swiglu_backward
@@ -81,6 +82,10 @@ def _swiglu_backward_every_row(
     return _SWIGLU_BACKWARD(h_NF, grad_NI, act_fn, scale)
 
 
+def _torch_cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return w.to(dtype)
+
+
 def _copy_every_row(dst_MH: torch.Tensor, src_MH: torch.Tensor, src_M: torch.Tensor) -> None:
     dst_MH.copy_(src_MH)
 
@@ -118,7 +123,10 @@ def variant(name: str) -> Iterator[None]:
       through the SwiGLU kernels like the received ones, and rows pulled in blocks of 1024
       elements (the earlier symmetric-memory dispatch);
     - ``torch-sinkhorn``: Sinkhorn's iterations in torch (about a dozen launches each), not the fused
-      kernels (one launch in all, ``lightning_ep.moe.kernels.sinkhorn``).
+      kernels (one launch in all, ``lightning_ep.moe.kernels.sinkhorn``);
+    - ``torch-cast``: the experts' fp32 weights cast to bf16 by ``w.to`` under plain autograd, whose
+      backward widens the gradient with torch's copy loop, not the Triton kernel
+      (``lightning_ep.moe.kernels.cast``; bf16-mixed with the experts outside FSDP2).
     """
     patches: dict[str, Any] = {}
     if name in ("unfused-swiglu", "reference"):
@@ -154,6 +162,8 @@ def variant(name: str) -> Iterator[None]:
         }
     if name == "torch-sinkhorn":
         patches |= {"fused_sinkhorn_available": lambda logits: False}
+    if name == "torch-cast":
+        patches |= {"cast_for_compute": _torch_cast}
     modules = (
         combine,
         router,

@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_ep.moe.experts.mlp import GROUPED_MM, grouped_mlp, grouped_mlp_forward
 from lightning_ep.moe.experts.segments import segment_linear
+from lightning_ep.moe.kernels.cast import cast_for_compute
 from lightning_ep.moe.kernels.swiglu import swiglu
 
 try:
@@ -84,11 +85,12 @@ def fold_grad_scale(x_NH: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def compute_weights(weights: Sequence[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """The local shards of ``weights``, cast (differentiably) to ``dtype`` unless it is ``None``."""
+    """The local shards of ``weights``, cast (differentiably) to ``dtype`` unless it is ``None``; the
+    gradients are widened back by ``cast_for_compute``'s kernel on CUDA."""
     local = [local_tensor(w) for w in weights]
     if dtype is None:
         return local
-    return [w if w.dtype == dtype else w.to(dtype) for w in local]
+    return [cast_for_compute(w, dtype) for w in local]
 
 
 def use_grouped(

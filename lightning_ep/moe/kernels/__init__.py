@@ -1,4 +1,4 @@
-"""Triton kernels with their torch references: the SwiGLU activation (``swiglu``) and the Sinkhorn
-normalisation (``sinkhorn``); ``lazy_triton`` builds kernels on first use where Triton is installed.
-Imports nothing else of ``lightning_ep``.
+"""Triton kernels with their torch references: the SwiGLU activation (``swiglu``), the Sinkhorn
+normalisation (``sinkhorn``) and the gradient of a weight cast (``cast``); ``lazy_triton`` builds
+kernels on first use where Triton is installed. Imports nothing else of ``lightning_ep``.
 """
