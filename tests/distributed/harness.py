@@ -1,4 +1,4 @@
-"""Spawn ``world`` gloo processes on the CPU and run a worker function in each.
+"""Start ``world`` gloo processes on the CPU and run a worker function in each.
 
 Workers are plain top-level functions ``fn(rank, world, *args)``; an exception in any of them fails
 the test with the worker's traceback. A worker ends by itself when the test's process dies.
@@ -48,7 +48,13 @@ def _entry(rank: int, world: int, store: str, backend: str, fn: Callable[..., An
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined by a process group
-    (gloo on the CPU; ``backend="nccl"``: one GPU per rank)."""
+    """Run ``fn(rank, world, *args)`` on ``world`` processes joined by a process group (gloo on the
+    CPU; ``backend="nccl"``: one GPU per rank).
+
+    On the CPU the workers are forked from this process, which has imported torch and the test's
+    modules already (a fresh interpreter per worker would import them again, seconds each); CUDA
+    cannot be used in a forked child, so NCCL workers are spawned."""
+    method = "spawn" if backend == "nccl" else "fork"
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), backend, fn, args), nprocs=world, join=True)
+        args_ = (world, os.path.join(tmp, "store"), backend, fn, args)
+        mp.start_processes(_entry, args=args_, nprocs=world, join=True, start_method=method)

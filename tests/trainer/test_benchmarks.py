@@ -1,5 +1,6 @@
-"""The benchmark scripts still run: each one on CPU at the ``tiny`` shape, in real processes
-(``torchrun`` with 2 gloo ranks where the script is distributed), recording its table.
+"""The benchmark scripts still run: each one on CPU at the ``tiny`` shape, in real processes (2
+gloo ranks with ``torchrun``'s environment where the script is distributed, ``tests/forkrun.py``),
+recording its table.
 
 Nothing is timed here (the numbers of a CPU run mean nothing); what is checked is that every row
 ran and that the recorded section carries the command and the table. A change to the layer's
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_strategy import FORKRUN
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -28,7 +30,7 @@ def _run(script: str, args: list[str], tmp_path: Path, nproc: int) -> str:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}"]
+        launch = [*FORKRUN, f"--nproc-per-node={nproc}", f"--master-port={port}"]
     else:
         launch = [sys.executable]
     cmd = [*launch, str(BENCHMARKS / script), *args, "--record", "--results", str(results)]

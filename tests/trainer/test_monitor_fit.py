@@ -10,12 +10,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
+from test_strategy import FORKRUN
 
 from lightning_ep.callbacks import STAT_NAMES
 from lightning_ep.monitor_plots import PLOT_SIZE_PX
@@ -38,7 +38,7 @@ def _free_port() -> int:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("monitor_fit")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+        *FORKRUN, "--nproc-per-node=2", f"--master-port={_free_port()}",
         str(WORKER), "--root", str(root),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}

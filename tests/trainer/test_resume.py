@@ -11,13 +11,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from test_strategy import WORKER, _free_port, assert_close, run
+from test_strategy import FORKRUN, WORKER, _free_port, assert_close, run
 
 from lightning_ep import ExpertParallelStrategy
 
@@ -55,7 +54,7 @@ def _strip_record(checkpoint: Path) -> None:
 def _fails(tmp: Path, name: str, *args: str) -> str:
     """Run the worker on 2 processes, expect it to fail, and return its stderr."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+        *FORKRUN, "--nproc-per-node=2", f"--master-port={_free_port()}",
         str(WORKER), "--out", str(tmp / f"{name}.json"), "--degree", "2", *args,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}

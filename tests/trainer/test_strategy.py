@@ -1,6 +1,8 @@
 """ExpertParallelStrategy through the real Lightning Trainer, 4 gloo processes per run.
 
-Each run is its own ``torchrun`` subprocess (the strategy re-launches per rank). The reference is
+Each run is its own subprocess: ``tests/forkrun.py``, which gives each rank the environment that
+``torchrun`` gives it, forked after the imports (``test_robustness.py`` and ``test_errors_once.py``
+launch with ``torchrun`` itself). The reference is
 the unsharded model on one process fed every rank's micro-batch (``fit_worker.py --reference``).
 fp32 runs agree to 1e-5 relative: only the order of floating-point sums differs.
 """
@@ -18,6 +20,8 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).with_name("fit_worker.py")
+#: ``torchrun --nproc-per-node=N`` for these tests, with the workers forked from one process (``tests/forkrun.py``).
+FORKRUN = [sys.executable, str(Path(__file__).parents[1] / "forkrun.py")]
 RTOL = 1e-5
 
 pytestmark = pytest.mark.distributed
@@ -37,8 +41,8 @@ def run(tmp: Path, name: str, *args: str, nproc: int = 4) -> dict:
         cmd = [sys.executable, str(WORKER), "--reference", "--out", str(out), *args]
     else:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={_free_port()}", str(WORKER), "--out", str(out), *args,
+            *FORKRUN, f"--nproc-per-node={nproc}", f"--master-port={_free_port()}", str(WORKER), "--out", str(out),
+            *args,
         ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
