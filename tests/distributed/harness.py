@@ -52,9 +52,10 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo")
     CPU; ``backend="nccl"``: one GPU per rank).
 
     On the CPU the workers are forked from this process, which has imported torch and the test's
-    modules already (a fresh interpreter per worker would import them again, seconds each); CUDA
-    cannot be used in a forked child, so NCCL workers are spawned."""
-    method = "spawn" if backend == "nccl" else "fork"
+    modules already (a fresh interpreter per worker would import them again, seconds each). CUDA
+    cannot be used in a child forked after it was initialised, so NCCL workers are spawned, and so
+    are all workers once this process has used CUDA."""
+    method = "spawn" if backend == "nccl" or torch.cuda.is_initialized() else "fork"
     with tempfile.TemporaryDirectory() as tmp:
         args_ = (world, os.path.join(tmp, "store"), backend, fn, args)
         mp.start_processes(_entry, args=args_, nprocs=world, join=True, start_method=method)
