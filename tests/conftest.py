@@ -1,6 +1,7 @@
 """Shared helpers for every test tier: the tiny Mixtral factory, a relative-error helper, a
-counter of CUDA host syncs, and a one-process distributed environment for in-process Trainer runs;
-and a check after every test that it left no process behind (``tests/processes.py``).
+counter of CUDA host syncs, a runner for Triton's CPU interpreter, and a one-process distributed
+environment for in-process Trainer runs; and a check after every test that it left no process
+behind (``tests/processes.py``).
 
 Import them from a test module with ``from conftest import tiny_mixtral_config`` (pytest puts this
 folder on ``sys.path``), or use the fixtures below. transformers is imported lazily so that
@@ -70,6 +71,19 @@ def _count_syncs_once(fn: Callable[[], Any]) -> int:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def run_in_triton_interpreter(*args: str, timeout: int = 300) -> None:
+    """Run ``python *args`` (``-c CODE`` or a script) under Triton's CPU interpreter, a fresh process
+    since the flag is read at import, and fail unless it exits 0 and its output ends with ``ok``.
+    Skips the test where Triton is not installed (the kernels then run on CUDA only)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="Triton is not installed (the kernels run on CUDA only)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -6,12 +6,9 @@ the CUDA twin is in ``tests/gpu/test_fast_paths_cuda.py``.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from conftest import run_in_triton_interpreter
 
 from lightning_ep.moe.kernels.cast import cast_for_compute, widen
 
@@ -54,7 +51,4 @@ print("ok")
 
 
 def test_widening_kernel_equals_torch_cast_in_the_triton_interpreter() -> None:
-    pytest.importorskip("triton", reason="Triton is not installed (the kernel runs on CUDA only)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_in_triton_interpreter("-c", _CHECK)

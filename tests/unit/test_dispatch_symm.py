@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_in_triton_interpreter
 
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.dispatch.base import inverse_permutation, sort_by_expert
@@ -249,13 +250,6 @@ def test_pull_kernels_in_the_triton_interpreter() -> None:
     """The pull kernels, run by Triton's CPU interpreter on emulated ranks' buffers, against torch
     (``symm_interpreter_check.py``): the dispatch's rows, the weighted and plain sums, the combine
     backward's row and weight gradients."""
-    pytest.importorskip("triton", reason="Triton is not installed (the kernels run on CUDA only)")
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    script = Path(__file__).with_name("symm_interpreter_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_in_triton_interpreter(str(Path(__file__).with_name("symm_interpreter_check.py")))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rel_err
+from conftest import rel_err, run_in_triton_interpreter
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
@@ -238,16 +238,7 @@ print("ok")
 def test_fused_combine_kernel_equals_torch_fallback_in_the_triton_interpreter():
     """The Triton kernel, run by Triton's CPU interpreter (a fresh interpreter, since the flag is
     read at import), against the torch fallback, float32."""
-    pytest.importorskip("triton", reason="Triton is not installed (the kernel runs on CUDA only)")
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_in_triton_interpreter("-c", _INTERPRETER_CHECK)
 
 
 _SWIGLU_CHECK = """
@@ -290,14 +281,7 @@ print("ok")
 
 def test_fused_swiglu_kernel_equals_torch_in_the_triton_interpreter():
     """The SwiGLU kernel, run by Triton's CPU interpreter, against ``silu(gate) * up``, float32."""
-    pytest.importorskip("triton", reason="Triton is not installed (the kernel runs on CUDA only)")
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _SWIGLU_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_in_triton_interpreter("-c", _SWIGLU_CHECK)
 
 
 def test_swiglu_dispatch_on_cpu_is_the_torch_expression():

@@ -5,12 +5,9 @@ on CUDA, bit for bit: ``tests/gpu/test_optim_cuda.py``."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from conftest import run_in_triton_interpreter
 from torch import nn
 
 from lightning_ep.optim import AdamW
@@ -193,9 +190,4 @@ def test_adamw_kernel_equals_torch_fused_in_the_triton_interpreter() -> None:
     """The Triton kernel, run by Triton's CPU interpreter (a fresh interpreter: the flag is read at
     import), against torch's AdamW in float64, float32, five steps; the tensors below
     ``min_kernel_numel`` through ``torch._fused_adamw_``."""
-    pytest.importorskip("triton", reason="Triton is not installed (the kernel runs on CUDA only)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_in_triton_interpreter("-c", _INTERPRETER_CHECK)

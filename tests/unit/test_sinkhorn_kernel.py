@@ -4,11 +4,7 @@ import). The CUDA twin is ``tests/gpu/test_sinkhorn_cuda.py``."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-import pytest
+from conftest import run_in_triton_interpreter
 
 _CHECK = """
 import torch
@@ -45,7 +41,4 @@ print("ok")
 
 
 def test_fused_sinkhorn_equals_torch_in_the_triton_interpreter() -> None:
-    pytest.importorskip("triton", reason="Triton is not installed (the kernels run on CUDA only)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_in_triton_interpreter("-c", _CHECK, timeout=600)
