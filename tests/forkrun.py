@@ -18,7 +18,6 @@ import os
 import runpy
 import signal
 import sys
-import time
 import traceback
 
 #: Imported before the fork: what every training script of the tests imports.
@@ -90,15 +89,6 @@ def main() -> None:
         if code != 0 and not failed:
             failed = code if code > 0 else 128 - code
             for other in children:  # as torchrun does: one rank failed, the others are stopped
-                os.kill(other, signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while children and time.monotonic() < deadline:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-                if pid:
-                    children.pop(pid, None)
-                else:
-                    time.sleep(0.1)
-            for other in children:
                 os.kill(other, signal.SIGKILL)
     sys.exit(failed)
 
