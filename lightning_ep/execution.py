@@ -20,8 +20,12 @@ What each choice does:
   others' memory over NVLink; one node only; the same bits).
 - ``token_dedup``: each token sent once per destination rank instead of once per expert (the same
   math; fewer bytes when a token's experts share ranks, more gradient bytes in fp32).
-- ``row_budget``: the static size of every rank's received rows under the symmetric-memory exchange
-  (no host sync); ``None``: the dynamic plan (one host sync per layer).
+- ``row_budget``: the static size ``R`` of every rank's received rows (no host sync): the padded
+  all-to-all (``lightning_ep.moe.dispatch.padded``; ``"auto"`` sizes ``R`` from the first step's
+  loads and grows it) or the symmetric-memory exchange (an int). A layer whose routing exceeds ``R``
+  is never an error under ``ExpertParallelStrategy``: that training step runs again with the layer
+  on the dynamic plan (``lightning_ep.budget_fallback``), counted in ``moe/budget_reruns``. ``None``:
+  the dynamic plan (one host sync per layer).
 - ``fused_adamw``: a ``torch.optim.AdamW(fused=True)`` is stepped by ``lightning_ep.optim.AdamW``'s
   kernels (torch's fused AdamW bit for bit, one launch per large tensor). A ``torch.optim.AdamW``
   without ``fused=True`` is left alone: its foreach kernels round differently.
@@ -51,7 +55,8 @@ class Execution:
             bf16 precision, no activation checkpointing, a dropless dispatch.
         exchange: how tokens cross ranks. Auto: ``"collective"``.
         token_dedup: deduplicate the dropless all-to-all. Auto: off.
-        row_budget: static received rows per rank for ``exchange="symmetric_memory"``; ``None`` dynamic.
+        row_budget: static received rows per rank (an int, or ``"auto"`` for the padded all-to-all);
+            ``None``: the dynamic plan. Auto is not a default: it is ``None`` unless given.
         fused_adamw: step ``torch.optim.AdamW(fused=True)`` with this library's kernels. Auto: on CUDA
             with Triton.
     """
@@ -60,7 +65,7 @@ class Execution:
     cuda_graphs: bool | Auto = "auto"
     exchange: Exchange = "auto"
     token_dedup: bool | Auto = "auto"
-    row_budget: int | None = None
+    row_budget: int | Auto | None = None
     fused_adamw: bool | Auto = "auto"
 
     def __post_init__(self) -> None:
@@ -71,14 +76,21 @@ class Execution:
         if self.exchange not in EXCHANGES:
             raise ValueError(f"Execution(exchange={self.exchange!r}) is not one of {list(EXCHANGES)}.")
         budget = self.row_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        number = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
+        if budget is not None and budget != "auto" and not number:
             raise ValueError(
-                f"Execution(row_budget={budget!r}): pass an int >= 1 (received rows per rank) or None (dynamic)."
+                f"Execution(row_budget={budget!r}): pass an int >= 1 (received rows per rank), 'auto' (sized from "
+                "the first step, grown when routing exceeds it) or None (the dynamic plan)."
             )
-        if budget is not None and self.exchange != "symmetric_memory":
+        if budget == "auto" and self.exchange == "symmetric_memory":
             raise ValueError(
-                f"Execution(row_budget={budget}) sizes the static plan of the symmetric-memory exchange, but "
-                f"exchange={self.exchange!r}; set exchange='symmetric_memory', or row_budget=None."
+                "Execution(row_budget='auto') sizes the padded all-to-all; the symmetric-memory exchange takes an int "
+                "budget (about 1.25-1.6 x tokens per rank x top_k): pass one, or exchange='collective'."
+            )
+        if budget is not None and self.token_dedup is True:
+            raise ValueError(
+                f"Execution(row_budget={budget!r}) pads the exchange of every (token, expert) pair, which "
+                "token_dedup=True replaces; pass one of them."
             )
 
 
@@ -126,7 +138,7 @@ class Resolved:
     cuda_graphs: bool
     symmetric_memory: bool
     token_dedup: bool
-    row_budget: int | None
+    row_budget: int | str | None
     fused_adamw: bool
     environment: Environment
     choices: tuple[Choice, ...] = field(default=())
@@ -135,7 +147,11 @@ class Resolved:
         """``moe`` with its execution fields set to these choices (what the layers are built with)."""
         from dataclasses import replace
 
-        max_rows = self.row_budget if self.row_budget is not None else moe.max_tokens_per_rank
+        # The symmetric-memory dispatcher takes its budget from the config; the strategy gives the padded
+        # all-to-all its own (``padded_budget``).
+        max_rows = moe.max_tokens_per_rank
+        if self.symmetric_memory and self.row_budget is not None:
+            max_rows = int(self.row_budget)
         return replace(
             moe,
             token_dedup=self.token_dedup,
@@ -143,6 +159,11 @@ class Resolved:
             cuda_graphs=self.cuda_graphs,
             max_tokens_per_rank=max_rows,
         )
+
+    @property
+    def padded_budget(self) -> int | str | None:
+        """The row budget of the padded all-to-all (``lightning_ep.moe.dispatch.padded``), or ``None``."""
+        return None if self.symmetric_memory else self.row_budget
 
     def table(self) -> str:
         """The setup table printed once on rank 0: one line per choice."""
@@ -239,14 +260,26 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
 
     # row budget
     budget = execution.row_budget
-    if symmetric:
-        rows.append(
-            Choice(
-                "row_budget",
-                "dynamic" if budget is None else str(budget),
-                "one host sync per layer" if budget is None else "forced: static plan, no host sync",
-            )
+    if budget is not None and (env.degree == 1 or not dropless_a2a):
+        raise ValueError(
+            f"Execution(row_budget={budget!r}) sizes the static plan of the dropless all-to-all between "
+            f"expert-parallel ranks, but degree={env.degree}, capacity_factor={moe.capacity_factor}, "
+            f"moe_all_to_all_dispatcher={moe.moe_all_to_all_dispatcher} (degree 1 and a capacity are static "
+            "already); use row_budget=None."
         )
+    if budget is not None and env.activation_checkpointing:
+        raise ValueError(
+            f"Execution(row_budget={budget!r}) reruns a training step over budget before its backward, but activation "
+            f"checkpointing ({env.activation_checkpointing!r}) recomputes the layers inside the backward; use "
+            "row_budget=None with activation checkpointing."
+        )
+    if env.degree > 1 and dropless_a2a:
+        if budget is None:
+            value, reason = "dynamic", "one host sync per layer (a static plan: row_budget='auto' or an int)"
+        else:
+            sized = "sized by the first step, grown to fit" if budget == "auto" else "forced"
+            value, reason = str(budget), f"{sized}; no host sync; a step over it reruns on the dynamic plan"
+        rows.append(Choice("row_budget", value, reason))
 
     # token dedup
     if execution.token_dedup is True:
@@ -311,7 +344,7 @@ def _check_symmetric(env: Environment, moe: MoEConfig) -> None:
         )
 
 
-def _graphs_blocker(env: Environment, moe: MoEConfig, *, symmetric: bool, budget: int | None) -> str | None:
+def _graphs_blocker(env: Environment, moe: MoEConfig, *, symmetric: bool, budget: int | str | None) -> str | None:
     """What keeps CUDA graphs from applying, in words, or ``None``."""
     if env.device_type != "cuda" or not env.triton:
         return "CUDA with Triton"

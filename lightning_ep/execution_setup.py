@@ -16,6 +16,7 @@ from lightning_ep.moe.config import MoEConfig
 from lightning_ep.transform import moe_layers
 
 if TYPE_CHECKING:
+    from lightning_ep.moe.layer import MoELayer
     from lightning_ep.strategy import ExpertParallelStrategy
 
 
@@ -84,6 +85,20 @@ def layers_config(hf_model: nn.Module, resolved: Resolved | None, moe: MoEConfig
     if built:
         return built[0]
     return resolved.moe_config(moe) if resolved is not None else moe
+
+
+def pad_exchanges(layers: list[MoELayer], resolved: Resolved | None) -> None:
+    """Give ``layers`` the padded all-to-all of ``resolved.padded_budget`` (``Execution.row_budget``
+    with the collective exchange) in place of their all-to-all dispatcher; nothing without one."""
+    from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
+    from lightning_ep.moe.dispatch.padded import PaddedAllToAllDispatcher
+
+    budget = resolved.padded_budget if resolved is not None else None
+    if budget is None:
+        return
+    for layer in layers:
+        if type(layer.dispatcher) is AllToAllDispatcher:
+            layer.dispatcher = PaddedAllToAllDispatcher(layer.num_experts, layer.dispatcher.group, budget)
 
 
 def step_fused_adamw_with_kernels(optimizers: list[Any]) -> int:

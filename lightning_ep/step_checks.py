@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_ep.budget_fallback import BudgetFallback
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.grad_norm import clip_grad_norm_
 
@@ -50,6 +51,8 @@ class StepChecks:
         self._micro_batches = 0
         # The layers' dispatchers that keep a static row budget (``watch_budgets``).
         self._budgets: list[Any] = []
+        #: Runs ``training_step`` again when a forward went over a budget (``watch_budgets(rerun=True)``).
+        self.fallback = BudgetFallback([])
 
     def after_forward(self, layers: list[MoELayer], module: pl.LightningModule, device: torch.device) -> None:
         """Average the per-layer losses and non-finite flags over ranks (one all-reduce, no host
@@ -95,11 +98,14 @@ class StepChecks:
         per_layer |= {f"moe/layer_{i}/z_loss": z[i] for i in range(n)}
         module.log_dict(per_layer, sync_dist=False, on_step=True, on_epoch=False)
 
-    def watch_budgets(self, layers: list[MoELayer]) -> None:
-        """Check the row budgets of ``layers``' dispatchers (symmetric memory with
-        ``max_tokens_per_rank``) before every optimizer step, on every rank at once, instead of at
-        their dispatches (where the copy of an excess may reach one rank's host before another's)."""
+    def watch_budgets(self, layers: list[MoELayer], *, rerun: bool = False) -> None:
+        """Check the row budgets of ``layers``' dispatchers (a static plan) on every rank at once,
+        instead of at their dispatches (where the copy of an excess may reach one rank's host before
+        another's): under automatic optimization ``BudgetFallback`` reads them after each training
+        forward and reruns it; what it has not read (manual optimization) raises before the optimizer
+        step or after ``training_step``. ``rerun``: let ``fallback`` rerun the forwards over budget."""
         self._budgets = [lr.dispatcher for lr in layers if getattr(lr.dispatcher, "budget", None) is not None]
+        self.fallback = BudgetFallback(layers if rerun else [])
         for dispatcher in self._budgets:
             dispatcher.budget.raise_at_dispatch = False
 

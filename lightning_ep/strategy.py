@@ -29,6 +29,7 @@ from lightning_ep.config_errors import shown_once
 from lightning_ep.execution import Execution, Resolved
 from lightning_ep.execution_setup import (
     layers_config,
+    pad_exchanges,
     resolve_for,
     step_fused_adamw_with_kernels,
     with_compile_layers,
@@ -276,7 +277,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self._step_checks = StepChecks(
             check_finite=self.check_finite, log_losses=self.log_moe_losses, precision=self.precision_plugin.precision
         )
-        self._step_checks.watch_budgets(self._layers())
+        self._step_checks.watch_budgets(self._layers(), rerun=module.automatic_optimization)
         check_before_step(self.precision_plugin, self._step_checks)
 
     def _mp_policy(self) -> MixedPrecisionPolicy | None:
@@ -313,13 +314,13 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
     def _configure_moe_layers(self, trainer: pl.Trainer) -> None:
         # Lightning divides the loss by accumulate_grad_batches; the router losses must follow.
-        scale = 1.0
-        if self.lightning_module is not None and self.lightning_module.automatic_optimization:
-            scale = 1.0 / trainer.accumulate_grad_batches
+        module = self.lightning_module
+        scale = 1.0 / trainer.accumulate_grad_batches if module is not None and module.automatic_optimization else 1.0
         for layer in self._layers():
             layer.loss_scale = scale
             layer.check_finite = self.check_finite
             layer.keep_all_to_all = self.activation_checkpointing == "keep_all_to_all"
+        pad_exchanges(self._layers(), self.resolved)
 
     def _layers(self) -> list[MoELayer]:
         return moe_layers(self._hf_model) if self._hf_model is not None else []
@@ -388,12 +389,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
-        self._after_training_forward()
-        return output
-
-    def _after_training_forward(self) -> None:
+        step = super().training_step  # run again by the budget fallback if over a static row budget
         module = self.lightning_module
-        if module is None or module._current_fx_name != "training_step":
-            return
-        self._step_checks.after_forward(self._layers(), module, self.root_device)
+        output = self._step_checks.fallback.run(module, lambda: step(*args, **kwargs))
+        if module is not None and module._current_fx_name == "training_step":
+            self._step_checks.after_forward(self._layers(), module, self.root_device)
+        return output

@@ -107,9 +107,10 @@ class MoEConfig:
             to ``R`` (the grouped GEMMs skip the padding), the buffer holds about ``2 R H`` elements,
             and no layer reads anything back to the host, so the host can run ahead of the GPU.
             Routing that sends some rank more than ``R`` rows in a layer leaves the excess out
-            of that step and raises ``RuntimeError``: under ``ExpertParallelStrategy`` on every
-            rank before the optimizer step; elsewhere at a later dispatch, or where the training
-            loop calls the dispatchers' ``raise_if_over_budget()``.
+            of that forward: under ``ExpertParallelStrategy`` (automatic optimization) the forward
+            then runs again on the dynamic plan (``lightning_ep.budget_fallback``); elsewhere a
+            ``RuntimeError`` at a later dispatch, or where the training loop calls the
+            dispatchers' ``raise_if_over_budget()``.
             ``T <= R`` tokens per rank. The experts then always run ``grouped_mm`` (bf16 / fp16
             on CUDA; the one-GEMM-per-expert path needs host counts), for no sync at all; fp32
             experts loop over experts and read the counts. It helps a host-bound step and costs a

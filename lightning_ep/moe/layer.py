@@ -316,6 +316,8 @@ class MoELayer(nn.Module):
         ``None`` for a dispatcher without a static plan: one process)."""
         if not self.config.cuda_graphs or not hasattr(self.dispatcher, "dispatch_static"):
             return None
+        if getattr(self.dispatcher, "dynamic", False):  # the budget fallback's run of a step over budget
+            return None
         if self._layer_graphs is None or self._layer_graphs.dispatcher is not self.dispatcher:
             from lightning_ep.moe.graphs import LayerGraphs
 

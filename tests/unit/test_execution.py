@@ -51,6 +51,7 @@ def test_cpu_runs_eager_with_the_collective_exchange() -> None:
     assert rows["compile"][0] == "off" and "CPU" in rows["compile"][1]
     assert rows["exchange"][0] == "all-to-all (gloo)"
     assert rows["token_dedup"][0] == "off"
+    assert rows["row_budget"] == ("dynamic", "one host sync per layer (a static plan: row_budget='auto' or an int)")
     assert rows["cuda_graphs"] == ("off", "auto: off, needs CUDA with Triton")
     assert rows["fused_adamw"][0] == "off"
 
@@ -122,7 +123,13 @@ def test_forced_choices_are_kept_or_refused_by_name() -> None:
         ({"compile": "yes"}, TypeError, r"Execution\(compile='yes'\): pass 'auto', True or False"),
         ({"exchange": "nvlink"}, ValueError, r"Execution\(exchange='nvlink'\) is not one of"),
         ({"row_budget": 0}, ValueError, r"Execution\(row_budget=0\): pass an int >= 1"),
-        ({"row_budget": 64}, ValueError, r"set exchange='symmetric_memory', or row_budget=None"),
+        ({"row_budget": "big"}, ValueError, r"Execution\(row_budget='big'\): pass an int >= 1 .*, 'auto'"),
+        (
+            {"row_budget": "auto", "exchange": "symmetric_memory"},
+            ValueError,
+            r"the symmetric-memory exchange takes an int budget",
+        ),
+        ({"row_budget": 64, "token_dedup": True}, ValueError, r"which token_dedup=True replaces; pass one of them"),
     ],
 )
 def test_bad_execution_values(kwargs: dict, error: type[Exception], match: str) -> None:
@@ -175,3 +182,35 @@ def test_fused_adamw_swap_keeps_the_bits_the_object_and_the_scheduler() -> None:
     for p, q in zip(params, twins, strict=True):
         assert torch.equal(p, q)
     assert mine.param_groups[0]["lr"] == reference.param_groups[0]["lr"] == 1e-2 * 0.5**3
+
+
+def test_a_row_budget_pads_the_collective_exchange_and_is_refused_where_it_cannot_apply() -> None:
+    """``row_budget`` with the collective exchange: the padded all-to-all, given to the layers by the
+    strategy (``padded_budget``), not through ``MoEConfig.max_tokens_per_rank`` (the safety bound)."""
+    for budget, sized in (("auto", "sized by the first step, grown to fit"), (4096, "forced")):
+        for env in (
+            _env(device_type="cpu", devices_per_node=2, degree=2, precision="32-true"),
+            _env(num_nodes=2, devices_per_node=8, degree=8),
+        ):
+            resolved = resolve(Execution(row_budget=budget), env, MoEConfig())
+            assert _rows(resolved)["row_budget"] == (
+                str(budget),
+                f"{sized}; no host sync; a step over it reruns on the dynamic plan",
+            )
+            assert resolved.padded_budget == budget and not resolved.symmetric_memory
+            assert resolved.moe_config(MoEConfig()).max_tokens_per_rank is None
+            assert not resolved.cuda_graphs  # graphs above degree 1 capture the symmetric-memory plan only
+    symm = resolve(
+        Execution(exchange="symmetric_memory", row_budget=512), _env(devices_per_node=2, degree=2), MoEConfig()
+    )
+    assert symm.padded_budget is None and symm.moe_config(MoEConfig()).max_tokens_per_rank == 512
+    with pytest.raises(ValueError, match=r"row_budget='auto'\) sizes the static plan .* degree=1"):
+        resolve(Execution(row_budget="auto"), _env(), MoEConfig())
+    with pytest.raises(ValueError, match=r"capacity_factor=1.25"):
+        resolve(Execution(row_budget=64), _env(devices_per_node=2, degree=2), MoEConfig(capacity_factor=1.25))
+    with pytest.raises(
+        ValueError, match=r"activation checkpointing \(True\) recomputes the layers inside the backward"
+    ):
+        resolve(
+            Execution(row_budget="auto"), _env(devices_per_node=2, degree=2, activation_checkpointing=True), MoEConfig()
+        )

@@ -23,6 +23,7 @@ from lightning_ep.moe.dispatch.base import (
     sort_by_expert,
     weighted_unsort,
 )
+from lightning_ep.moe.dispatch.budget import over_budget_message
 from lightning_ep.moe.dispatch.comm import (
     all_gather_rows,
     all_to_all,
@@ -231,14 +232,8 @@ class KeptExchange:
 
 
 def _check_budget(load_D: list[int], budget: int) -> None:
-    worst = max(range(len(load_D)), key=load_D.__getitem__)
-    if load_D[worst] > budget:
-        raise RuntimeError(
-            f"MoE routing sent {load_D[worst]} rows to the experts of expert-parallel rank {worst} in one layer, over "
-            f"MoEConfig.max_tokens_per_rank={budget} (loads per rank: {load_D}). Routing is this skewed early in "
-            "training or with a collapsed router: raise max_tokens_per_rank if memory allows, set a capacity_factor "
-            "to drop the excess, or use load balancing (aux_loss / sinkhorn)."
-        )
+    if max(load_D) > budget:
+        raise RuntimeError(over_budget_message(load_D, budget))
 
 
 class AllGatherDispatcher:

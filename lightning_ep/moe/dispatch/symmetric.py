@@ -26,9 +26,10 @@ With a row budget (``MoEConfig.max_tokens_per_rank = R``) the plan is static and
 read at all: every rank's ``M`` is padded to ``R`` rows (a padding row has source ``-1``: no kernel
 reads or writes it, and the grouped GEMMs stop at the last expert's offset), the buffer is sized
 from ``R`` alone, and the host can queue layer after layer without waiting for the GPU. A layer
-whose rows exceed ``R`` on some rank leaves the excess out; ``RowBudget`` notes it on the device
-and raises at the next dispatch that finds the note on the host, or, under
-``ExpertParallelStrategy``, on every rank before the optimizer step (``raise_if_over_budget``).
+whose rows exceed ``R`` on some rank leaves the excess out; ``RowBudget``
+(``lightning_ep.moe.dispatch.budget``) notes it on the device and raises at the next dispatch that
+finds the note on the host. Under ``ExpertParallelStrategy`` that training forward runs again
+instead, with the layer on the dynamic plan (``dynamic``; ``lightning_ep.budget_fallback``).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe.dispatch.all_to_all import _check_budget, expert_layout
+from lightning_ep.moe.dispatch.all_to_all import expert_layout
 from lightning_ep.moe.dispatch.base import Dispatched, block_of_rows, inverse_permutation, sort_by_expert
+from lightning_ep.moe.dispatch.budget import RowBudget
 from lightning_ep.moe.dispatch.symm_pull import (
     SymmetricWorkspace,
     copy_live_rows,
@@ -146,58 +148,6 @@ def static_plan(
     return src_M, pos_M, src_TK, row_TK, order_N.to(torch.int32), counts_L, received_DL.sum(1)
 
 
-class RowBudget:
-    """The most rows each rank's experts received in one layer since the last check, kept on the
-    device (no host sync) and compared with the budget ``R`` on the host when its copy has landed.
-
-    Every dispatch queues a copy of the running maximum into pinned host memory. The maximum only
-    grows, so whatever value the host reads is a true lower bound: ``check(wait=False)`` costs
-    nothing and raises as soon as an excess is seen; ``check(wait=True)`` waits for the last copy.
-
-    ``raise_at_dispatch``: whether each dispatch runs ``check(wait=False)`` first. The copy may land
-    on one rank a layer earlier than on another, so that raise can come on some ranks only (the
-    launcher then stops the others). ``StepChecks.watch_budgets`` turns it off: under
-    ``ExpertParallelStrategy`` every rank raises at the same point, before the optimizer step.
-    """
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.raise_at_dispatch = True
-        self._worst_D: torch.Tensor | None = None
-        self._host_D: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
-
-    def note(self, loads_D: torch.Tensor) -> None:
-        """Keep the maximum of ``loads_D`` (rows received per rank, on the device) and queue its copy."""
-        worst = loads_D if self._worst_D is None else torch.maximum(self._worst_D, loads_D)
-        self._worst_D = worst
-        if self._host_D is None:
-            self._host_D = torch.zeros(worst.shape, dtype=worst.dtype, pin_memory=worst.is_cuda)
-        self._host_D.copy_(worst, non_blocking=True)
-        if worst.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-
-    def check(self, *, wait: bool) -> None:
-        """Raise if some rank received more than ``budget`` rows in a layer (``wait``: first wait for
-        the copy of the last dispatch's maximum; otherwise read what has landed)."""
-        if self._host_D is None:
-            return
-        if wait and self._copied is not None:
-            self._copied.synchronize()
-        if int(self._host_D.max()) <= self.budget:
-            return
-        loads = self._host_D.tolist()
-        self._worst_D, self._host_D, self._copied = None, None, None
-        try:
-            _check_budget(loads, self.budget)
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"{error} With symmetric_memory_dispatch=True the buffers hold max_tokens_per_rank rows, so the rows "
-                "past it were left out of that layer's output: that step's results are wrong."
-            ) from None
-
-
 class SymmetricMemoryDispatcher:
     """Dropless dispatch by pulls through symmetric memory (see the module docstring).
 
@@ -220,6 +170,8 @@ class SymmetricMemoryDispatcher:
         self.degree, self.rank, self.num_local_experts = expert_layout(num_experts, group)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.budget = RowBudget(max_tokens_per_rank) if max_tokens_per_rank is not None else None
+        #: Take the dynamic plan even with a budget (the budget fallback's run of a step over budget).
+        self.dynamic = False
         # Eager by default; ``compile_plan`` swaps in compiled versions of the same functions.
         self._sort_pairs_fn = sort_pairs
         self._static_plan_fn = static_plan
@@ -233,7 +185,7 @@ class SymmetricMemoryDispatcher:
         self._static_plan_fn = torch.compile(static_plan, **compile_kwargs)
 
     def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:
-        if self.budget is not None:
+        if self.budget is not None and not self.dynamic:
             if self.budget.raise_at_dispatch:
                 self.budget.check(wait=False)  # an earlier layer's excess, if its note has reached the host
             dispatched, loads_D = self.dispatch_static(x_TH, expert_ids_TK)
@@ -252,6 +204,7 @@ class SymmetricMemoryDispatcher:
         if self.budget is None:
             raise ValueError("dispatch_static needs a row budget: MoEConfig(max_tokens_per_rank=...).")
         K, R = expert_ids_TK.shape[1], self.budget.budget
+        assert R is not None  # an int budget (automatic ones are the padded all-to-all's)
         T, H = x_TH.shape
         if T > R:
             raise ValueError(
