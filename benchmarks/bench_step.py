@@ -18,12 +18,13 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   automatic choices a user gets with no flag (printed in the row's setup table); ``ep:symm`` the
   dropless exchange pulled through CUDA symmetric memory (``Execution(exchange="symmetric_memory")``).
   Options appended to a row (they combine: ``ep:a2a+compile+zero2``): ``+eager`` forces every
-  execution choice off (no compile, CUDA graphs or fused AdamW kernels); ``+compile``,
-  ``+graph``, ``+dedup`` force ``Execution(compile=True)``, ``cuda_graphs=True``,
-  ``token_dedup=True`` (on a baseline row ``+compile`` applies ``compile_blocks`` to every decoder
-  layer, its MoE block included, and ``compile_loss``; ``+compile_dense`` the dense parts only);
-  ``+budget`` (``ep:symm``) sets ``Execution(row_budget=ceil(--row-budget x batch x seq x top_k))``,
-  a static plan free of host syncs; ``+adamw`` steps with ``lightning_ep.optim.AdamW`` whatever
+  execution choice off (no compile, CUDA graphs or fused AdamW kernels); ``+compile``, ``+graph``,
+  ``+dedup`` force ``Execution(compile=True)``, ``cuda_graphs=True``, ``token_dedup=True`` (on a
+  baseline row ``+compile`` applies ``compile_blocks`` to every decoder layer, its MoE block
+  included, and ``compile_loss``; ``+compile_dense`` the dense parts only); ``+budget``
+  (``ep:symm``, ``ep:a2a`` above degree 1) sets ``Execution(row_budget=ceil(--row-budget x batch x
+  seq x top_k))``, a static plan free of host syncs (on ``ep:a2a`` the padded all-to-all),
+  ``+autobudget`` ``row_budget="auto"``; ``+adamw`` steps with ``lightning_ep.optim.AdamW`` whatever
   ``--optimizer`` says; ``+prefetch`` sets FSDP2 forward/backward prefetch of the next decoder layer
   explicitly; ``+ac`` checkpoints every decoder layer (``activation_checkpointing=True``),
   ``+ac_keep`` keeping the MoE layers' exchanges (``"keep_all_to_all"``); ``+zero2`` keeps gathered
@@ -33,8 +34,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   ``+none``, ``+aux_loss``, ``+sinkhorn`` and ``+balanced`` set the row's balancing mode instead of
   ``--balancing``; ``+lora`` trains PEFT LoRA adapters only (``peft.get_peft_model`` in
   ``configure_model``: rank 16, alpha 32, on ``q/k/v/o_proj`` and on ``experts.gate_up_proj`` /
-  ``experts.down_proj`` through ``target_parameters``; on ``eager`` / ``grouped_mm`` rows that is HF +
-  PEFT under FSDP2, on ``ep:`` rows this library's expert-stacked adapters); ``@reference`` (or
+  ``experts.down_proj`` through ``target_parameters``; on ``eager`` / ``grouped_mm`` rows that is HF
+  + PEFT under FSDP2, on ``ep:`` rows this library's expert-stacked adapters); ``@reference`` (or
   another of ``_variants.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
@@ -370,8 +371,10 @@ def execution_of(base: str, options: list[str], args: Any, shape: Shape) -> Any:
         forced["token_dedup"] = True
     if base == "ep:symm":
         forced["exchange"] = "symmetric_memory"
-        if "budget" in options:
-            forced["row_budget"] = row_budget(args, shape)
+    if "budget" in options:
+        forced["row_budget"] = row_budget(args, shape)
+    if "autobudget" in options:
+        forced["row_budget"] = "auto"
     return Execution(**forced)
 
 

@@ -70,6 +70,7 @@ def test_bench_step_runs_the_baseline_and_this_library(tmp_path: Path) -> None:
         "ep:allgather+zero2@root-head",
         "ep:a2a+dedup+adamw@grouped-experts",
         "ep:a2a+lora+eager",
+        "ep:a2a+autobudget",  # the padded all-to-all (degree 2)
     ]
     text = _run(
         "bench_step.py",
