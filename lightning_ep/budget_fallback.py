@@ -46,6 +46,8 @@ class BudgetFallback:
         self.layers = [lr for lr in layers if getattr(lr.dispatcher, "budget", None) is not None]
         #: Training forwards run again since setup.
         self.reruns = 0
+        # ``reruns`` as last logged, and the same on the module's device (logged as is: no copy per step).
+        self._logged: tuple[int, torch.Tensor] | None = None
 
     def run(self, module: pl.LightningModule | None, step: Callable[[], Any]) -> Any:
         """``step()`` (the ``training_step`` call), run again while a layer is over its budget
@@ -76,7 +78,9 @@ class BudgetFallback:
                 layer.dispatcher.dynamic = False  # type: ignore[attr-defined]
         for args, kwargs in held:
             module.log(*args, **kwargs)
-        module.log("moe/budget_reruns", float(self.reruns), on_step=True, on_epoch=False, sync_dist=False)
+        if self._logged is None or self._logged[0] != self.reruns:  # a copy to the device only after a rerun
+            self._logged = (self.reruns, torch.tensor(float(self.reruns), device=module.device))
+        module.log("moe/budget_reruns", self._logged[1], on_step=True, on_epoch=False, sync_dist=False)
         return output
 
     def _over_budget(self) -> list[tuple[MoELayer, list[int]]]:

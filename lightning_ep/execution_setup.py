@@ -98,7 +98,8 @@ def pad_exchanges(layers: list[MoELayer], resolved: Resolved | None) -> None:
         return
     for layer in layers:
         if type(layer.dispatcher) is AllToAllDispatcher:
-            layer.dispatcher = PaddedAllToAllDispatcher(layer.num_experts, layer.dispatcher.group, budget)
+            bound = layer.dispatcher.max_tokens_per_rank  # MoEConfig's safety bound, kept on the dynamic plan
+            layer.dispatcher = PaddedAllToAllDispatcher(layer.num_experts, layer.dispatcher.group, budget, bound)
 
 
 def step_fused_adamw_with_kernels(optimizers: list[Any]) -> int:

@@ -47,6 +47,8 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         group: the expert-parallel group.
         row_budget: ``R`` rows received per rank (rounded up to a multiple of the degree), or
             ``"auto"``: sized from the first dispatch's loads, grown after an excess.
+        max_tokens_per_rank: ``MoEConfig``'s safety bound, checked by the dynamic plan (a rerun
+            over it raises as the all-to-all dispatcher does).
 
     ``dynamic``: take the dynamic plan (the parent's, one host sync) instead; the budget fallback
     sets it for the run of a step that went over budget. An automatic budget not sized yet takes it
@@ -56,8 +58,10 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
 
     keeps_exchanges = False
 
-    def __init__(self, num_experts: int, group: dist.ProcessGroup, row_budget: int | str) -> None:
-        super().__init__(num_experts, group)
+    def __init__(
+        self, num_experts: int, group: dist.ProcessGroup, row_budget: int | str, max_tokens_per_rank: int | None = None
+    ) -> None:
+        super().__init__(num_experts, group, max_tokens_per_rank)
         auto = row_budget == "auto"
         self.budget = RowBudget(None if auto else int(row_budget), adaptive=auto, multiple=self.degree)
         self.dynamic = False
