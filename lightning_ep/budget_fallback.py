@@ -44,6 +44,7 @@ class BudgetFallback:
 
     def __init__(self, layers: list[MoELayer]) -> None:
         self.layers = [lr for lr in layers if getattr(lr.dispatcher, "budget", None) is not None]
+        self._all = layers  # whose random state a rerun puts back
         #: Training forwards run again since setup.
         self.reruns = 0
         # ``reruns`` as last logged, and the same on the module's device (logged as is: no copy per step).
@@ -54,7 +55,7 @@ class BudgetFallback:
         (without watched layers: once, as it is)."""
         if not self.layers or module is None:
             return step()
-        saved = _save_state(self.layers)
+        saved = _save_state(self._all)
         held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         module.log = lambda *args, **kwargs: held.append((args, kwargs))  # type: ignore[method-assign]
         try:
@@ -65,7 +66,7 @@ class BudgetFallback:
                     break
                 del output
                 held.clear()
-                _restore_state(self.layers, saved)
+                _restore_state(self._all, saved)
                 self.reruns += 1
                 for layer, loads in over:
                     dispatcher: Any = layer.dispatcher
