@@ -15,8 +15,9 @@ are left out of that layer's output. ``RowBudget`` notes the loads on the device
 gathered on every rank, so every rank notes the same); under ``ExpertParallelStrategy`` the step is
 then run again with that layer on the dynamic plan (``lightning_ep.budget_fallback``).
 
-Cost: ``D * C`` rows per exchange instead of the rows routed (``HEADROOM`` times more under balanced
-routing), in exchange for no host sync.
+Cost: ``D * C`` rows per exchange instead of the rows routed: an automatic budget is ``HEADROOM``
+times the largest source-to-rank load times ``D``, so at least ``HEADROOM`` times the routed rows, more
+where routing is uneven; in exchange, no host sync.
 """
 
 from __future__ import annotations
