@@ -5,36 +5,18 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from skew_workers import E, H, moe_layer
 
-import lightning_ep
 from lightning_ep import MoEConfig
 from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
 from lightning_ep.moe.dispatch.padded import PaddedAllToAllDispatcher
 from lightning_ep.moe.routing.router import Routing
 
-H, WIDTH, K, E = 64, 32, 2, 8  # hidden, expert width, top-k, experts
+K = 2  # top-k
 
 
 def _layer(world: int):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=128,
-        hidden_size=H,
-        intermediate_size=WIDTH,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=E,
-        num_experts_per_tok=K,
-    )
-    model = MixtralForCausalLM(config)
-    mesh = lightning_ep.init_mesh(world, device_type="cpu")
-    lightning_ep.transform(model, MoEConfig(moe_load_balancing="sinkhorn"), mesh=mesh)
-    layer = lightning_ep.moe_layers(model)[0]
-    layer.train()
-    return layer
+    return moe_layer(MoEConfig(moe_load_balancing="sinkhorn"), world, top_k=K)
 
 
 def _run(layer, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -17,7 +17,9 @@ def _all_to_expert_zero(gate, _inputs, routing: Routing) -> Routing:
     return Routing(routing.logits_TE, routing.probs_TE, ids_TK, torch.ones_like(routing.weights_TK))
 
 
-def _skewed_layer(config: MoEConfig, degree: int):
+def moe_layer(config: MoEConfig, degree: int, top_k: int = K):
+    """The MoE layer of a one-layer tiny Mixtral (seed 0), transformed at ``degree`` on the CPU, in
+    training mode (also ``padded_workers.py``'s)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
@@ -30,14 +32,19 @@ def _skewed_layer(config: MoEConfig, degree: int):
             num_attention_heads=4,
             num_key_value_heads=2,
             num_local_experts=E,
-            num_experts_per_tok=K,
+            num_experts_per_tok=top_k,
         )
     )
     mesh = lightning_ep.init_mesh(degree, device_type="cpu")
     lightning_ep.transform(model, config, mesh=mesh)
     layer = lightning_ep.moe_layers(model)[0]
-    layer.gate.register_forward_hook(_all_to_expert_zero)
     layer.train()
+    return layer
+
+
+def _skewed_layer(config: MoEConfig, degree: int):
+    layer = moe_layer(config, degree)
+    layer.gate.register_forward_hook(_all_to_expert_zero)
     return layer
 
 

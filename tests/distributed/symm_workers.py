@@ -169,13 +169,7 @@ def run_static_plan_matches_all_to_all(rank: int, world: int) -> None:
         x_TH, ids_TK, weights_TK, upstream_TH = _case_inputs(rank, dtype, tokens[rank], hidden, top_k, skew)
         want = _run(a2a, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
         got = _run(static, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
-        M = want[0].shape[0]
-        assert got[0].shape == (budget, hidden), (name, got[0].shape)
-        got[0], got[4] = got[0][:M], got[4][:M]  # the rows received; the rest is padding
-        labels = ["x_MH", "out", "grad x", "grad weights", "grad y_MH", "counts_L"]
-        for label, a, b in zip(labels, got, want, strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape, (name, label, a.shape, b.shape)
-            assert torch.equal(a, b), (name, label, rank, (a.float() - b.float()).abs().max())
+        _assert_padded_equal(got, want, budget, (name, hidden, rank))
         syncs = count_syncs(lambda: _run(static, x_TH, ids_TK, weights_TK, scale_E, upstream_TH))  # noqa: B023
         assert syncs == 0, (name, syncs)
         static.raise_if_over_budget()  # within budget: nothing to raise
@@ -292,13 +286,7 @@ def run_padded_matches_all_to_all(rank: int, world: int) -> None:
         x_TH, ids_TK, weights_TK, upstream_TH = _case_inputs(rank, dtype, tokens[rank], hidden, top_k, skew)
         want = _run(a2a, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
         got = _run(padded, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
-        M = want[0].shape[0]
-        assert got[0].shape == (4096, hidden), (name, got[0].shape)
-        got[0], got[4] = got[0][:M], got[4][:M]  # the rows received; the rest is padding
-        labels = ["x_MH", "out", "grad x", "grad weights", "grad y_MH", "counts_L"]
-        for label, a, b in zip(labels, got, want, strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape, (name, label, a.shape, b.shape)
-            assert torch.equal(a, b), (name, label, rank, (a.float() - b.float()).abs().max())
+        _assert_padded_equal(got, want, 4096, (name, hidden, rank))
         syncs = count_syncs(lambda: _run(padded, x_TH, ids_TK, weights_TK, scale_E, upstream_TH))  # noqa: B023
         assert syncs == 0, (name, syncs)
         assert padded.budget.take_excess() is None, name
@@ -307,3 +295,16 @@ def run_padded_matches_all_to_all(rank: int, world: int) -> None:
     _run(tight, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
     loads = tight.budget.take_excess()
     assert loads is not None and loads[0] > 8 * world, loads
+
+
+def _assert_padded_equal(got: list[torch.Tensor], want: list[torch.Tensor], rows: int, case: tuple) -> None:
+    """``_run``'s results on a plan padded to ``rows`` received rows equal the dynamic plan's bit for
+    bit: the first ``M`` received rows (the rest is padding) and everything else whole."""
+    name, hidden, rank = case
+    M = want[0].shape[0]
+    assert got[0].shape == (rows, hidden), (name, got[0].shape)
+    got[0], got[4] = got[0][:M], got[4][:M]
+    labels = ["x_MH", "out", "grad x", "grad weights", "grad y_MH", "counts_L"]
+    for label, a, b in zip(labels, got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, label, a.shape, b.shape)
+        assert torch.equal(a, b), (name, label, rank, (a.float() - b.float()).abs().max())
