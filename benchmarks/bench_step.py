@@ -18,7 +18,7 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   automatic choices a user gets with no flag (printed in the row's setup table); ``ep:symm`` the
   dropless exchange pulled through CUDA symmetric memory (``Execution(exchange="symmetric_memory")``).
   Options appended to a row (they combine: ``ep:a2a+compile+zero2``): ``+eager`` forces every
-  execution choice off (no compile, CUDA graphs or fused AdamW kernels); ``+compile``, ``+graph``,
+  execution choice off (no compile, CUDA graphs, fused AdamW kernels or single-rank FSDP2); ``+compile``, ``+graph``,
   ``+dedup`` force ``Execution(compile=True)``, ``cuda_graphs=True``, ``token_dedup=True`` (on a
   baseline row ``+compile`` applies ``compile_blocks`` to every decoder layer, its MoE block
   included, and ``compile_loss``; ``+compile_dense`` the dense parts only); ``+budget``
@@ -28,7 +28,9 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   ``--optimizer`` says; ``+prefetch`` sets FSDP2 forward/backward prefetch of the next decoder layer
   explicitly; ``+ac`` checkpoints every decoder layer (``activation_checkpointing=True``),
   ``+ac_keep`` keeping the MoE layers' exchanges (``"keep_all_to_all"``); ``+zero2`` keeps gathered
-  parameters from forward to backward (``reshard_after_forward=False``); ``+monitor`` adds
+  parameters from forward to backward (``reshard_after_forward=False``), ``+zero3`` forces
+  ``Execution(single_rank_fsdp=False)`` (on one GPU FSDP2 frees them after forward and reduces in
+  fp32, as on several); ``+monitor`` adds
   ``lightning_ep.MoEMonitor(every_n_steps=1, plots=False)`` (its worst case); ``+manualgc`` turns
   Python's garbage collector off during the fit and collects the young generations every 5 steps;
   ``+none``, ``+aux_loss``, ``+sinkhorn`` and ``+balanced`` set the row's balancing mode instead of
@@ -362,7 +364,9 @@ def execution_of(base: str, options: list[str], args: Any, shape: Shape) -> Any:
 
     forced: dict[str, Any] = {}
     if "eager" in options:
-        forced |= {"compile": False, "cuda_graphs": False, "fused_adamw": False}
+        forced |= {"compile": False, "cuda_graphs": False, "fused_adamw": False, "single_rank_fsdp": False}
+    if "zero3" in options:
+        forced["single_rank_fsdp"] = False
     if "compile" in options:
         forced["compile"] = True
     if "graph" in options:
@@ -401,7 +405,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         strategy: Any = ExpertParallelStrategy(
             degree=world(),
             moe=moe,
-            reshard_after_forward="zero2" not in options,
+            reshard_after_forward=False if "zero2" in options else None,
             execution=execution_of(base, options, args, shape),
             activation_checkpointing=checkpointing,  # type: ignore[arg-type]
         )

@@ -26,6 +26,11 @@ What each choice does:
   is never an error under ``ExpertParallelStrategy``: that training step runs again with the layer
   on the dynamic plan (``lightning_ep.budget_fallback``), counted in ``moe/budget_reruns``. ``None``:
   the dynamic plan (one host sync per layer).
+- ``single_rank_fsdp``: with one rank in all (world size 1), FSDP2 keeps the gathered dense
+  parameters from forward to backward and reduces gradients in the parameter dtype: no second
+  gather in backward and no fp32 round trip of the gradients, the same bits (a reduction over one
+  rank sums nothing), one more copy of the dense parameters held through the step. Not with
+  gradient accumulation, where FSDP2 sums the micro-batches in its reduce dtype (fp32).
 - ``fused_adamw``: a ``torch.optim.AdamW(fused=True)`` is stepped by ``lightning_ep.optim.AdamW``'s
   kernels (torch's fused AdamW bit for bit, one launch per large tensor). A ``torch.optim.AdamW``
   without ``fused=True`` is left alone: its foreach kernels round differently.
@@ -41,7 +46,7 @@ from lightning_ep.moe.config import MoEConfig
 Auto = Literal["auto"]
 Exchange = Literal["auto", "collective", "symmetric_memory"]
 EXCHANGES: tuple[str, ...] = get_args(Exchange)
-_SWITCHES = ("compile", "cuda_graphs", "token_dedup", "fused_adamw")
+_SWITCHES = ("compile", "cuda_graphs", "token_dedup", "single_rank_fsdp", "fused_adamw")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +62,9 @@ class Execution:
         token_dedup: deduplicate the dropless all-to-all. Auto: off.
         row_budget: static received rows per rank (an int, or ``"auto"`` for the padded all-to-all);
             ``None``: the dynamic plan. Auto is not a default: it is ``None`` unless given.
+        single_rank_fsdp: at world size 1, keep the gathered dense parameters and reduce in their dtype.
+            Auto: on at world size 1 without gradient accumulation, unless ``reshard_after_forward=True``
+            is given to the strategy.
         fused_adamw: step ``torch.optim.AdamW(fused=True)`` with this library's kernels. Auto: on CUDA
             with Triton.
     """
@@ -66,6 +74,7 @@ class Execution:
     exchange: Exchange = "auto"
     token_dedup: bool | Auto = "auto"
     row_budget: int | Auto | None = None
+    single_rank_fsdp: bool | Auto = "auto"
     fused_adamw: bool | Auto = "auto"
 
     def __post_init__(self) -> None:
@@ -107,6 +116,8 @@ class Environment:
     precision: str = "32-true"
     activation_checkpointing: bool | str = False
     lora_ranks: tuple[int, ...] = ()  # ranks of the LoRA adapters on the experts (PEFT's target_parameters)
+    accumulate_grad_batches: int = 1
+    reshard_after_forward: bool | None = None  # the strategy's argument; None: not given
 
     @property
     def world_size(self) -> int:
@@ -142,6 +153,7 @@ class Resolved:
     fused_adamw: bool
     environment: Environment
     choices: tuple[Choice, ...] = field(default=())
+    single_rank_fsdp: bool = False
 
     def moe_config(self, moe: MoEConfig) -> MoEConfig:
         """``moe`` with its execution fields set to these choices (what the layers are built with)."""
@@ -313,6 +325,8 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
         graphs = graphs_blocker is None
         rows.append(Choice("cuda_graphs", _on(graphs), "auto" if graphs else f"auto: off, needs {graphs_blocker}"))
 
+    single_rank = _single_rank_fsdp(execution.single_rank_fsdp, env, rows)
+
     # optimizer
     if execution.fused_adamw is True and not fast:
         raise ValueError(f"Execution(fused_adamw=True) needs CUDA with Triton ({no_kernels} here); use 'auto'.")
@@ -322,7 +336,28 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
         reason = f"auto: off on {no_kernels}"
     rows.append(Choice("fused_adamw", _on(fused_adamw), reason))
 
-    return Resolved(compile_on, graphs, symmetric, dedup, budget, fused_adamw, env, tuple(rows))
+    return Resolved(compile_on, graphs, symmetric, dedup, budget, fused_adamw, env, tuple(rows), single_rank)
+
+
+def _single_rank_fsdp(option: bool | Auto, env: Environment, rows: list[Choice]) -> bool:
+    """Whether FSDP2 over one rank keeps gathered parameters and reduces in their dtype; adds its row."""
+    blocker = None
+    if env.world_size > 1:
+        blocker = f"world size 1 ({env.world_size} here)"
+    elif env.accumulate_grad_batches > 1:
+        blocker = f"no gradient accumulation (accumulate_grad_batches={env.accumulate_grad_batches})"
+    elif env.reshard_after_forward is True:
+        blocker = "no reshard_after_forward=True"
+    if option is True and blocker is not None:
+        raise ValueError(f"Execution(single_rank_fsdp=True) needs {blocker}; use single_rank_fsdp='auto'.")
+    if option is not True and (option is False or blocker is not None):
+        if env.world_size == 1:  # the row only where the choice could apply
+            rows.append(Choice("single_rank_fsdp", "off", "forced" if option is False else f"auto: needs {blocker}"))
+        return False
+    reduce = " in bf16" if env.precision in ("bf16-mixed", "bf16-true") else ""
+    reason = f"one rank: gathered dense parameters kept, gradients reduced{reduce} (same bits)"
+    rows.append(Choice("single_rank_fsdp", "on", "forced; " + reason if option is True else reason))
+    return True
 
 
 def _on(value: bool) -> str:

@@ -52,7 +52,31 @@ def environment(strategy: ExpertParallelStrategy, hf_model: nn.Module | None = N
         precision=str(strategy.precision_plugin.precision),
         activation_checkpointing=strategy.activation_checkpointing,
         lora_ranks=expert_lora_ranks(hf_model) if hf_model is not None else (),
+        accumulate_grad_batches=_accumulation(strategy),
+        reshard_after_forward=strategy.reshard_after_forward,
     )
+
+
+def _accumulation(strategy: ExpertParallelStrategy) -> int:
+    """The micro-batches per optimizer step (1 without a Trainer, or under manual optimization)."""
+    module = strategy.lightning_module
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    if module is None or trainer is None or not module.automatic_optimization:
+        return 1
+    return int(trainer.accumulate_grad_batches)
+
+
+def fsdp_options(strategy: ExpertParallelStrategy) -> dict[str, Any]:
+    """FSDP2's ``mp_policy`` and ``reshard_after_forward`` for ``strategy``: bf16 parameters with fp32
+    reduction under bf16 precisions, except that on a single rank (``Execution.single_rank_fsdp``) the
+    gathered parameters stay from forward to backward and gradients reduce in bf16, the same bits."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    single = strategy.resolved is not None and strategy.resolved.single_rank_fsdp
+    mp_policy = None
+    if strategy.precision_plugin.precision in ("bf16-mixed", "bf16-true"):
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=None if single else torch.float32)
+    return {"mp_policy": mp_policy, "reshard_after_forward": not single and strategy.reshard_after_forward is not False}
 
 
 def expert_lora_ranks(model: nn.Module) -> tuple[int, ...]:

@@ -28,6 +28,7 @@ from lightning_ep import checkpoints
 from lightning_ep.config_errors import shown_once
 from lightning_ep.execution import Execution, Resolved
 from lightning_ep.execution_setup import (
+    fsdp_options,
     layers_config,
     pad_exchanges,
     resolve_for,
@@ -55,7 +56,6 @@ from lightning_ep.transform import check_config_in_force, moe_layers, transform
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -81,7 +81,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             so that the recomputation makes no collective and no host sync (all-to-all dispatcher
             only; ``M x H + N x H`` more elements per layer held until its backward).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3); ``False`` keeps them
-            until backward (ZeRO-2: more memory, fewer all-gathers).
+            until backward (ZeRO-2: more memory, fewer all-gathers). ``None``: ZeRO-3, but kept at world
+            size 1 (``Execution.single_rank_fsdp``).
         execution: how the step runs, never what it computes (``lightning_ep.Execution``): compiled
             dense parts, CUDA graphs, the token exchange, fused AdamW. Every choice is automatic by
             default and printed once at setup on rank 0 in a short table; force one there.
@@ -121,7 +122,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         replicate_degree: int = 1,
         moe: MoEConfig | None = None,
         activation_checkpointing: bool | Literal["keep_all_to_all"] = False,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         execution: Execution | None = None,
         compile_layers: bool | None = None,
         save_distributed_checkpoint: bool = True,
@@ -257,8 +258,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         shard_dense_modules(
             list(selection.extras.values()),
             self.device_mesh,
-            mp_policy=self._mp_policy(),
-            reshard_after_forward=self.reshard_after_forward,
+            **fsdp_options(self),
         )
         for part in (selection.model, *selection.others.values(), *selection.extras.values()):
             materialize_if_meta(part, self.root_device)
@@ -280,13 +280,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self._step_checks.watch_budgets(self._layers(), rerun=module.automatic_optimization)
         check_before_step(self.precision_plugin, self._step_checks)
 
-    def _mp_policy(self) -> MixedPrecisionPolicy | None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        if self.precision_plugin.precision in ("bf16-mixed", "bf16-true"):
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        return None
-
     def _parallelize(self, hf_model: nn.Module) -> None:
         """Transform, optionally checkpoint, and shard ``hf_model`` (idempotent)."""
         self._hf_model = hf_model
@@ -303,12 +296,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         if self.moe.smp_moe:
             with shown_once(self.global_rank):  # a degree that does not divide the expert count
                 transform(hf_model, layers_config(hf_model, self.resolved, self.moe), mesh=mesh)
-            shard_model(hf_model, mesh, mp_policy=self._mp_policy(), reshard_after_forward=self.reshard_after_forward)
+            shard_model(hf_model, mesh, **fsdp_options(self))
             blocks = decoder_blocks(hf_model)
         else:
-            blocks = shard_named_blocks(
-                hf_model, mesh, mp_policy=self._mp_policy(), reshard_after_forward=self.reshard_after_forward
-            )
+            blocks = shard_named_blocks(hf_model, mesh, **fsdp_options(self))
         if self.resolved is not None and self.resolved.compile:
             compile_for_training(hf_model, blocks)
 

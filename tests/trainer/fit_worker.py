@@ -229,7 +229,10 @@ def run_trainer(args: argparse.Namespace) -> dict:
         allow_moe_config_change=tuple(args.allow.split(",")) if args.allow else (),
         deterministic=args.deterministic,
         activation_checkpointing=args.activation_checkpointing,
-        execution=lightning_ep.Execution(compile=True) if args.compile else None,
+        execution=lightning_ep.Execution(
+            compile=True if args.compile else "auto",
+            single_rank_fsdp=False if args.single_rank_fsdp == "off" else "auto",
+        ),
         process_group_backend="gloo",
         timeout=timedelta(seconds=120),
         moe_model=args.moe_model,
@@ -283,8 +286,31 @@ def run_trainer(args: argparse.Namespace) -> dict:
         "degree": strategy.degree,
         "checkpointed": bool(checkpointed),
         "keep_all_to_all": bool(kept) and all(kept),  # set on every layer, nothing left pending
+        "fsdp": _fsdp_settings(decoder_blocks(module.model)[0]),
+        "weights_sha256": _weights_digest(module.model),
         **_beside_results(module.value_head, module.frozen),
     }
+
+
+def _fsdp_settings(block: torch.nn.Module) -> dict:
+    """What FSDP2 does with ``block``: whether it frees the gathered parameters after forward, and
+    the dtype it reduces gradients in (``None``: the parameters' compute dtype)."""
+    group = block._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    reduce = group.mp_policy.reduce_dtype
+    return {"reshard_after_forward": group.post_forward_mesh_info is not None, "reduce_dtype": str(reduce)}
+
+
+def _weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's full value, in order (bitwise equality of two runs' weights)."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    digest = hashlib.sha256()
+    for _, p in sorted(model.named_parameters()):
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        digest.update(full.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _beside_results(head: torch.nn.Module | None, frozen: torch.nn.Module | None) -> dict:
@@ -363,6 +389,9 @@ def main() -> None:
     parser.add_argument("--poison-step", type=int, default=-1)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--compile", action="store_true", help="ExpertParallelStrategy(compile_layers=True)")
+    parser.add_argument(
+        "--single-rank-fsdp", choices=["auto", "off"], default="auto", help="Execution(single_rank_fsdp=)"
+    )
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--save-to", default=None)
     parser.add_argument("--manual", action="store_true", help="manual optimization; opt.step() every --accumulate")

@@ -4,6 +4,7 @@ refused by name; the fused AdamW swap keeps torch's bits and the optimizer objec
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -60,11 +61,53 @@ def test_one_gpu_gets_compile_graphs_and_the_fused_adamw() -> None:
     resolved = resolve(Execution(), _env(), MoEConfig())
     assert resolved.compile and resolved.cuda_graphs and resolved.fused_adamw and not resolved.symmetric_memory
     rows = _rows(resolved)
-    assert list(rows) == ["compile", "exchange", "cuda_graphs", "fused_adamw"]  # no dedup row at degree 1
+    # No dedup row at degree 1.
+    assert list(rows) == ["compile", "exchange", "cuda_graphs", "single_rank_fsdp", "fused_adamw"]
     assert rows["exchange"][0] == "local"
     assert rows["cuda_graphs"] == ("on", "auto")
+    assert resolved.single_rank_fsdp
+    assert rows["single_rank_fsdp"] == (
+        "on",
+        "one rank: gathered dense parameters kept, gradients reduced in bf16 (same bits)",
+    )
     layers = resolved.moe_config(MoEConfig())
     assert layers.cuda_graphs and not layers.token_dedup and not layers.symmetric_memory_dispatch
+
+
+def test_single_rank_fsdp_applies_only_where_it_keeps_the_bits() -> None:
+    """On at world size 1 (CPU too); off, with the reason, under gradient accumulation or an explicit
+    ``reshard_after_forward=True``; no row above world size 1; forcing it where it cannot apply is refused."""
+    cpu = resolve(Execution(), _env(device_type="cpu", precision="32-true"), MoEConfig())
+    assert cpu.single_rank_fsdp
+    assert _rows(cpu)["single_rank_fsdp"] == (
+        "on",
+        "one rank: gathered dense parameters kept, gradients reduced (same bits)",
+    )
+    accumulating = resolve(Execution(), _env(accumulate_grad_batches=4), MoEConfig())
+    assert not accumulating.single_rank_fsdp
+    assert _rows(accumulating)["single_rank_fsdp"] == (
+        "off",
+        "auto: needs no gradient accumulation (accumulate_grad_batches=4)",
+    )
+    explicit = resolve(Execution(), _env(reshard_after_forward=True), MoEConfig())
+    assert _rows(explicit)["single_rank_fsdp"] == ("off", "auto: needs no reshard_after_forward=True")
+    assert resolve(Execution(), _env(reshard_after_forward=False), MoEConfig()).single_rank_fsdp
+    forced_off = resolve(Execution(single_rank_fsdp=False), _env(), MoEConfig())
+    assert not forced_off.single_rank_fsdp and _rows(forced_off)["single_rank_fsdp"] == ("off", "forced")
+    forced_on = resolve(Execution(single_rank_fsdp=True), _env(), MoEConfig())
+    assert forced_on.single_rank_fsdp and _rows(forced_on)["single_rank_fsdp"][1].startswith("forced; one rank")
+    two = resolve(Execution(), _env(devices_per_node=2), MoEConfig())
+    assert not two.single_rank_fsdp and "single_rank_fsdp" not in _rows(two)
+    for env, needs in [
+        (_env(devices_per_node=2), "world size 1 (2 here)"),
+        (_env(num_nodes=2), "world size 1 (2 here)"),
+        (_env(accumulate_grad_batches=2), "no gradient accumulation (accumulate_grad_batches=2)"),
+        (_env(reshard_after_forward=True), "no reshard_after_forward=True"),
+    ]:
+        with pytest.raises(ValueError, match=rf"single_rank_fsdp=True\) needs {re.escape(needs)}; use"):
+            resolve(Execution(single_rank_fsdp=True), env, MoEConfig())
+    with pytest.raises(TypeError, match=r"Execution\(single_rank_fsdp='yes'\): pass 'auto', True or False"):
+        Execution(single_rank_fsdp="yes")  # type: ignore[arg-type]
 
 
 def test_one_node_of_eight_gpus_keeps_the_dynamic_nccl_exchange() -> None:
