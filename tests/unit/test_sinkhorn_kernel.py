@@ -11,8 +11,9 @@ import torch
 from lightning_ep.moe.kernels import sinkhorn
 from lightning_ep.moe.routing import router
 
-# (T, E, iterations): one block, several blocks, experts not a power of two, more blocks than a chunk.
-for T, E, iterations in [(1, 4, 1), (7, 8, 3), (100, 128, 30), (300, 60, 5), (5000, 128, 2)]:
+# (T, E, iterations): one block (kept in registers), several blocks (read again each iteration),
+# experts not a power of two, partials combined in one load and in two (71 blocks, 64 per load).
+for T, E, iterations in [(1, 4, 1), (7, 8, 3), (100, 128, 30), (300, 60, 5), (5000, 128, 2), (9000, 128, 2)]:
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)) * 4
     ref = router.sinkhorn_log(logits, iterations)  # the torch version (a CPU tensor)
     got = sinkhorn.sinkhorn_log_fused(logits, iterations, programs=1)  # the interpreter runs programs in turn

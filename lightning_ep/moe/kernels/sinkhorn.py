@@ -10,17 +10,22 @@ all resident on the GPU at once (the driver guarantees it or refuses the launch)
 blocks ``g, g + G, ...``. Every iteration:
 
 1. each program combines the column partials ``(max, sum of exp)`` that every block wrote in the
-   previous iteration into the column scaling ``log v_E = log(T / E) - logsumexp_t(l + log u)``;
+   previous iteration (8,192 or 16,384 of them per load) into the column scaling
+   ``log v_E = log(T / E) - logsumexp_t(l + log u)``;
 2. for each of its blocks it rescales the rows, ``log u_t = -logsumexp_e(l_te + log v_e)``, and writes
    the block's column partials of ``l + log u`` (two buffers, alternating by iteration);
-3. it waits at a grid barrier (an atomic counter) until every program has written its partials.
+3. it waits at a grid barrier until every program has written its partials: one atomic increment
+   of a counter, then plain loads of it until it is full, then one acquiring atomic read.
 
 A last pass combines the final partials and writes ``l + log u + log v``. Padded rows (a mask, as
 ``router.sinkhorn_log`` takes it) keep ``log u = -inf``, so they drop out of every column sum, and
 the columns then target ``N / E`` for the ``N`` real tokens, a scalar the kernel reads on the device.
 The same log-domain arithmetic as the torch version, in another order: the results agree to fp32
-rounding. The logits (``T x E`` fp32, 4 MiB at 8192 x 128) stay in L2 across iterations. The host
-launches once and reads nothing back.
+rounding. Blocks are of 8,192 elements (64 rows of 128 experts) where that makes at most one block per
+multiprocessor, else of 16,384. A program that owns one block (``B <= G``: up to 8192 x 128 on a
+GPU of 128 or more multiprocessors) keeps its logits and ``log u`` in registers across the
+iterations; with more blocks they are read again from L2 (``T x E`` fp32, 4 MiB at 8192 x 128) every
+iteration. The host launches once and reads nothing back.
 """
 
 from __future__ import annotations
@@ -34,8 +39,11 @@ import torch
 
 from lightning_ep.moe.kernels.lazy_triton import lazy_kernels
 
-_BLOCK_ELEMENTS = 16384  # rows x experts of one row block
-_CHUNK = 16  # row blocks whose partials are combined at once
+# Rows x experts of one row block: the small size where every program then owns one block (its logits
+# kept in registers), else the large one. With 8 warps a program holds its block and two chunks of
+# partials (blocks x experts combined at once) in at most _HELD elements, about 160 registers a thread.
+_BLOCK_ELEMENTS = (8192, 16384)
+_HELD = 40960
 
 
 def _build(triton: Any, tl: Any) -> Any:
@@ -52,6 +60,13 @@ def _build(triton: Any, tl: Any) -> Any:
         mask_e = offs_e < E
         part_size = num_blocks * E
         log_v = tl.zeros((BLOCK_E,), tl.float32)
+        # With one block per program, its logits and log u stay in registers across the iterations.
+        offs_own = program * BLOCK_T + tl.arange(0, BLOCK_T)
+        own = tl.full((BLOCK_T, BLOCK_E), float("-inf"), tl.float32)
+        if BLOCKS_PER_PROGRAM == 1:
+            own_mask = (offs_own < T)[:, None] & mask_e[None, :]
+            own = tl.load(logits + offs_own[:, None] * E + offs_e[None, :], mask=own_mask, other=float("-inf"))
+        own_u = tl.zeros((BLOCK_T,), tl.float32)
         # Iterations 0 .. ITERATIONS - 1 rescale; the pass after them writes the result.
         for it in range(ITERATIONS + 1):
             if it > 0:
@@ -79,9 +94,15 @@ def _build(triton: Any, tl: Any) -> Any:
                 mask_t = offs_t < T
                 mask = mask_t[:, None] & mask_e[None, :]
                 index = offs_t[:, None] * E + offs_e[None, :]
-                x = tl.load(logits + index, mask=mask, other=float("-inf"))
+                if BLOCKS_PER_PROGRAM == 1:
+                    x = own
+                else:
+                    x = tl.load(logits + index, mask=mask, other=float("-inf"))
                 if it == ITERATIONS:
-                    u = tl.load(log_u + offs_t, mask=mask_t, other=0.0)
+                    if BLOCKS_PER_PROGRAM == 1:
+                        u = own_u
+                    else:
+                        u = tl.load(log_u + offs_t, mask=mask_t, other=0.0)
                     tl.store(out + index, x + u[:, None] + log_v[None, :], mask=mask)
                 else:
                     # Rows: log u_t = -logsumexp_e(l_te + log v_e).
@@ -92,7 +113,10 @@ def _build(triton: Any, tl: Any) -> Any:
                     if MASKED:
                         real_t = tl.load(valid + offs_t, mask=mask_t, other=0) != 0
                         u = tl.where(real_t, u, float("-inf"))
-                    tl.store(log_u + offs_t, u, mask=mask_t)
+                    if BLOCKS_PER_PROGRAM == 1:
+                        own_u = u
+                    else:
+                        tl.store(log_u + offs_t, u, mask=mask_t)
                     # This block's column partials of l + log u.
                     z = tl.where(mask, x + u[:, None], float("-inf"))
                     col_m = tl.max(z, axis=0)
@@ -106,8 +130,10 @@ def _build(triton: Any, tl: Any) -> Any:
                 tl.debug_barrier()
                 arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
                 target = (it + 1) * programs
-                while arrived < target:
-                    arrived = tl.atomic_add(counter, 0, sem="acq_rel", scope="gpu")
+                if arrived < target:  # poll with plain loads (no read-modify-write traffic), then acquire
+                    while arrived < target:
+                        arrived = tl.load(counter, volatile=True)
+                    tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
                 tl.debug_barrier()
 
     return types.SimpleNamespace(sinkhorn=sinkhorn)
@@ -153,11 +179,16 @@ def _sinkhorn_op(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor
     logits_TE = logits_TE.contiguous()
     num_tokens, num_experts = logits_TE.shape
     block_e = triton_next_power_of_2(num_experts)
-    block_t = max(1, min(triton_next_power_of_2(num_tokens), _BLOCK_ELEMENTS // block_e))
-    blocks = -(-num_tokens // block_t)
     device = logits_TE.device
-    if programs == 0:
-        programs = min(blocks, torch.cuda.get_device_properties(device).multi_processor_count)
+    most = programs or torch.cuda.get_device_properties(device).multi_processor_count
+    for elements in _BLOCK_ELEMENTS:
+        block_t = max(1, min(triton_next_power_of_2(num_tokens), elements // block_e))
+        blocks = -(-num_tokens // block_t)
+        if blocks <= most:
+            break
+    programs = min(blocks, most)
+    chunk_elements = 1 << ((_HELD - block_t * block_e) // 2).bit_length() - 1  # a power of two
+    chunk = min(triton_next_power_of_2(blocks), max(1, chunk_elements // block_e))
     log_u = torch.empty(num_tokens, dtype=torch.float32, device=device)
     partials = torch.empty((2, 2, blocks, num_experts), dtype=torch.float32, device=device)  # [(max, sum), buffer]
     counter = torch.zeros(1, dtype=torch.int32, device=device)
@@ -170,8 +201,8 @@ def _sinkhorn_op(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor
     kernels.sinkhorn[(programs,)](
         logits_TE, log_u, partials[0], partials[1], out, counter, num_tokens, num_experts, blocks,
         math.log(num_tokens / num_experts), valid, real_target,
-        ITERATIONS=iterations, BLOCK_T=block_t, BLOCK_E=block_e, CHUNK=_CHUNK,
-        NUM_CHUNKS=triton_next_power_of_2(-(-blocks // _CHUNK)),
+        ITERATIONS=iterations, BLOCK_T=block_t, BLOCK_E=block_e, CHUNK=chunk,
+        NUM_CHUNKS=triton_next_power_of_2(-(-blocks // chunk)),
         BLOCKS_PER_PROGRAM=triton_next_power_of_2(-(-blocks // programs)),
         MASKED=valid_T is not None, num_warps=8, launch_cooperative_grid=True,
     )  # fmt: skip
