@@ -100,3 +100,12 @@ def test_bench_optim_runs(tmp_path: Path) -> None:
     table = _table_rows(text)
     assert len(table) == 6, text  # 2 degrees x 3 optimizers
     assert [row[-1] for row in table] == ["reference", "-", "yes"] * 2, text
+
+
+def test_bench_sinkhorn_runs(tmp_path: Path) -> None:
+    text = _run(
+        "bench_sinkhorn.py", ["--sizes", "64x8", "100x60", "--iterations", "3", "--calls", "2"], tmp_path, nproc=1
+    )
+    table = _table_rows(text)
+    assert [row[0] for row in table] == ["64 x 8", "100 x 60"], text
+    assert all(row[3] == "-" for row in table), text  # off CUDA: the torch iterations only
