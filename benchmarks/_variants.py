@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from lightning_ep import step_checks
 from lightning_ep.moe import GroupedExperts
 from lightning_ep.moe.dispatch import all_to_all as dispatch_ep
 from lightning_ep.moe.dispatch import base as dispatch
@@ -40,6 +41,7 @@ VARIANTS = (
     "padded-rows",
     "torch-sinkhorn",
     "torch-cast",
+    "device-logging",
 )
 
 _SWIGLU, _SWIGLU_BACKWARD = swiglu.swiglu, swiglu.swiglu_backward
@@ -94,6 +96,36 @@ def _sum_copies_by_gather(x_NH: torch.Tensor, inverse_N: torch.Tensor, top_k: in
     return x_NH.index_select(0, inverse_N).view(-1, top_k, x_NH.shape[1]).sum(dim=1)
 
 
+_QUEUE_TO_HOST, _BEFORE_STEP = step_checks._queue_to_host, step_checks.StepChecks.before_optimizer_step
+_DEVICE_VALUES: list[torch.Tensor] = []
+
+
+def _queue_keeping_device(values: torch.Tensor) -> Any:
+    _DEVICE_VALUES.append(values)
+    return _QUEUE_TO_HOST(values)
+
+
+def _log_device_tensors(self: Any, module: Any) -> None:
+    """``StepChecks.before_optimizer_step`` with the losses averaged and logged on the device."""
+    values = list(_DEVICE_VALUES)
+    _DEVICE_VALUES.clear()
+    log_losses, self.log_losses = self.log_losses, False
+    try:
+        _BEFORE_STEP(self, module)  # waits for the forward's copy; raises on a flag
+    finally:
+        self.log_losses = log_losses
+    if not values or module is None or not log_losses:
+        return
+    n = len(self._layers)
+    total = values[0][: 2 * n]
+    for v in values[1:]:
+        total = total + v[: 2 * n]
+    aux, z = total[:n] / len(values), total[n:] / len(values)
+    module.log_dict({"moe/aux_loss": aux.sum(), "moe/z_loss": z.sum()}, prog_bar=True, on_step=True, on_epoch=False)
+    per_layer = {f"moe/layer_{i}/aux_loss": aux[i] for i in range(n)}
+    module.log_dict(per_layer | {f"moe/layer_{i}/z_loss": z[i] for i in range(n)}, on_step=True, on_epoch=False)
+
+
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
     """Swap replaced implementations back in for the duration (benchmark only):
@@ -126,7 +158,10 @@ def variant(name: str) -> Iterator[None]:
       kernels (one launch in all, ``lightning_ep.moe.kernels.sinkhorn``);
     - ``torch-cast``: the experts' fp32 weights cast to bf16 by ``w.to`` under plain autograd, whose
       backward widens the gradient with torch's copy loop, not the Triton kernel
-      (``lightning_ep.moe.kernels.cast``; bf16-mixed with the experts outside FSDP2).
+      (``lightning_ep.moe.kernels.cast``; bf16-mixed with the experts outside FSDP2);
+    - ``device-logging``: the MoE losses logged as device tensors, which Lightning reads back for
+      the progress bar at every batch end (the non-finite flags still read from their host copy),
+      not as the CPU tensors copied after each forward (``lightning_ep.step_checks``).
     """
     patches: dict[str, Any] = {}
     if name in ("unfused-swiglu", "reference"):
@@ -164,6 +199,8 @@ def variant(name: str) -> Iterator[None]:
         patches |= {"fused_sinkhorn_available": lambda logits: False}
     if name == "torch-cast":
         patches |= {"cast_for_compute": _torch_cast}
+    if name == "device-logging":
+        patches |= {"_queue_to_host": _queue_keeping_device, "before_optimizer_step": _log_device_tensors}
     modules = (
         combine,
         router,
@@ -177,6 +214,8 @@ def variant(name: str) -> Iterator[None]:
         GroupedExperts,
         fsdp,
         compiling,
+        step_checks,
+        step_checks.StepChecks,
     )
     saved = [(m, k, getattr(m, k)) for m in modules for k in patches if k in vars(m)]
     for module, key, _ in saved:

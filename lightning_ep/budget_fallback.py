@@ -47,8 +47,6 @@ class BudgetFallback:
         self._all = layers  # whose random state a rerun puts back
         #: Training forwards run again since setup.
         self.reruns = 0
-        # ``reruns`` as last logged, and the same on the module's device (logged as is: no copy per step).
-        self._logged: tuple[int, torch.Tensor] | None = None
 
     def run(self, module: pl.LightningModule | None, step: Callable[[], Any]) -> Any:
         """``step()`` (the ``training_step`` call), run again while a layer is over its budget
@@ -79,9 +77,8 @@ class BudgetFallback:
                 layer.dispatcher.dynamic = False  # type: ignore[attr-defined]
         for args, kwargs in held:
             module.log(*args, **kwargs)
-        if self._logged is None or self._logged[0] != self.reruns:  # a copy to the device only after a rerun
-            self._logged = (self.reruns, torch.tensor(float(self.reruns), device=module.device))
-        module.log("moe/budget_reruns", self._logged[1], on_step=True, on_epoch=False, sync_dist=False)
+        # A CPU tensor: the loggers read it without waiting for the GPU.
+        module.log("moe/budget_reruns", torch.tensor(float(self.reruns)), on_step=True, on_epoch=False, sync_dist=False)
         return output
 
     def _over_budget(self) -> list[tuple[MoELayer, list[int]]]:

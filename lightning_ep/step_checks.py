@@ -23,10 +23,12 @@ class StepChecks:
 
     ``after_forward`` runs after each ``training_step``; ``before_optimizer_step`` once the closure
     (forward and backward) has been launched, before the optimizer step (see ``check_before_step``).
-    Under automatic optimization the losses are logged there, averaged over the step's micro-batches:
-    the host then logs while the GPU still runs the backward, instead of between forward and
-    backward, where the GPU has nothing queued. The flags' copy to the host is queued right after the
-    forward's all-reduce, so reading them does not wait for the backward either.
+    Each forward's averaged values are copied to pinned host memory right after its all-reduce
+    (queued, not waited for); ``before_optimizer_step`` waits for the last copy, which is the
+    forward's end, not the backward's, raises on a non-finite flag and logs the losses averaged over
+    the step's micro-batches as CPU tensors. So logging, the progress bar included, never makes the
+    host wait for the GPU: a device tensor logged with ``prog_bar=True`` would be read back
+    (``.item()``) at every batch end, draining the GPU's queue between steps.
 
     Args:
         check_finite: keep the layers' non-finite flags and raise on one.
@@ -41,14 +43,10 @@ class StepChecks:
         self.precision = precision
         # The layers of the last forward, for the dtype of their weights in the non-finite error.
         self._layers: list[MoELayer] = []
-        # Max over the micro-batches since the last check of the all-reduced per-layer flags.
-        self._nonfinite: torch.Tensor | None = None
-        # Its host copy, queued after the forward, and (CUDA) the event that marks the copy done.
-        self._nonfinite_host: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
-        # Sum over the micro-batches since the last optimizer step of the averaged [aux..., z...].
-        self._losses: torch.Tensor | None = None
-        self._micro_batches = 0
+        # Per micro-batch since the last optimizer step: the host copy of the all-reduced
+        # [aux..., z..., flags...] (flags only with check_finite) and, on CUDA, the event that marks
+        # the copy done.
+        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         # The layers' dispatchers that keep a static row budget (``watch_budgets``).
         self._budgets: list[Any] = []
         #: Runs ``training_step`` again when a forward went over a budget (``watch_budgets(rerun=True)``).
@@ -56,42 +54,42 @@ class StepChecks:
 
     def after_forward(self, layers: list[MoELayer], module: pl.LightningModule, device: torch.device) -> None:
         """Average the per-layer losses and non-finite flags over ranks (one all-reduce, no host
-        sync) and keep them. Under manual optimization (the optimizer steps ran inside
-        ``training_step``) the flags are read and the losses logged at once."""
+        sync) and queue their copy to the host. Under manual optimization (the optimizer steps ran
+        inside ``training_step``) the flags are read and the losses logged at once."""
         if not layers or not (self.check_finite or self.log_losses):
             if not module.automatic_optimization:
                 self._raise_if_over_budget()
             return
-        n = len(layers)
         self._layers = layers
-        flags = [lr.nonfinite.float() if self.check_finite else torch.zeros(()) for lr in layers]
-        parts = [*(lr.aux_loss for lr in layers), *(lr.z_loss for lr in layers), *flags]
+        parts = [*(lr.aux_loss for lr in layers), *(lr.z_loss for lr in layers)]
+        if self.check_finite:
+            parts += [lr.nonfinite.float() for lr in layers]
         stacked = torch.stack([p.to(device=device, dtype=torch.float32) for p in parts])
         if dist.is_available() and dist.is_initialized() and (world := dist.get_world_size()) > 1:
             # A plain all-reduce: no barrier and no host sync (unlike Lightning's sync_ddp).
             dist.all_reduce(stacked)
             stacked = stacked / world
-        losses, nonfinite = stacked[: 2 * n], stacked[2 * n :]
-        if self.check_finite:
-            self._nonfinite = nonfinite if self._nonfinite is None else torch.maximum(self._nonfinite, nonfinite)
-            self._copy_flags_to_host()
-        if self.log_losses:
-            self._losses = losses if self._losses is None else self._losses + losses
-            self._micro_batches += 1
+        self._pending.append(_queue_to_host(stacked))
         if not module.automatic_optimization:
             self.before_optimizer_step(module)
 
     def before_optimizer_step(self, module: pl.LightningModule | None) -> None:
         """Raise on a non-finite flag or rows over a static dispatch budget, then log the losses
         kept since the last optimizer step."""
-        self.raise_if_nonfinite(module)
+        pending, self._pending = self._pending, []
+        if pending and pending[-1][1] is not None:
+            pending[-1][1].synchronize()  # one stream: the last copy done, all are
+        n = len(self._layers)
+        if pending and self.check_finite:
+            self._raise_if_nonfinite(torch.stack([host[2 * n :] for host, _ in pending]).amax(0), module)
         self._raise_if_over_budget()
-        losses, count = self._losses, self._micro_batches
-        self._losses, self._micro_batches = None, 0
-        if losses is None or module is None:
+        if not pending or module is None or not self.log_losses:
             return
-        n = losses.shape[0] // 2
-        aux, z = losses[:n] / count, losses[n:] / count
+        total = pending[0][0][: 2 * n]
+        for host, _ in pending[1:]:
+            total = total + host[: 2 * n]
+        aux, z = total[:n] / len(pending), total[n:] / len(pending)
+        # CPU tensors: Lightning reads progress-bar values back at every batch end.
         metrics = {"moe/aux_loss": aux.sum(), "moe/z_loss": z.sum()}
         module.log_dict(metrics, prog_bar=True, sync_dist=False, on_step=True, on_epoch=False)
         per_layer = {f"moe/layer_{i}/aux_loss": aux[i] for i in range(n)}
@@ -115,32 +113,9 @@ class StepChecks:
         for dispatcher in self._budgets:
             dispatcher.raise_if_over_budget()
 
-    def _copy_flags_to_host(self) -> None:
-        """Queue the flags' copy to the host now, so that reading them later waits for the forward
-        only (a read after the backward was launched would wait for the whole backward)."""
-        flags = self._nonfinite
-        assert flags is not None
-        if flags.device.type != "cuda":
-            self._nonfinite_host, self._copied = flags, None
-            return
-        host = self._nonfinite_host
-        if host is None or host.shape != flags.shape or not host.is_pinned():
-            host = self._nonfinite_host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        elif self._copied is not None:
-            self._copied.synchronize()  # the previous micro-batch's copy into the same buffer
-        host.copy_(flags, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-
-    def raise_if_nonfinite(self, module: pl.LightningModule | None) -> None:
-        """Raise if a training forward since the last check had a non-finite value on any rank (one
-        host read of the flags, which every rank has after the all-reduce)."""
-        flags, copied = self._nonfinite_host, self._copied
-        self._nonfinite = self._nonfinite_host = self._copied = None
-        if flags is None:
-            return
-        if copied is not None:
-            copied.synchronize()
+    def _raise_if_nonfinite(self, flags: torch.Tensor, module: pl.LightningModule | None) -> None:
+        """Raise if a forward since the last check had a non-finite value on any rank (``flags``: the
+        host's per-layer maximum over those forwards, which every rank has after the all-reduce)."""
         if not bool(flags.any()):
             return
         bad = [i for i, flag in enumerate(flags.tolist()) if flag > 0]
@@ -151,6 +126,18 @@ class StepChecks:
             f"one rank). {nonfinite_fix(self.precision, layers)} ExpertParallelStrategy(check_finite=False) "
             "skips this check."
         )
+
+
+def _queue_to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``values`` on the host: a CUDA tensor's copy to pinned memory is queued on the current stream
+    (returned with the event marking it done, to wait on before reading); a CPU tensor as it is."""
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 
 def nonfinite_fix(precision: str, layers: list[MoELayer]) -> str:
