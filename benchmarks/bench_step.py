@@ -21,7 +21,7 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   execution choice off (no compile, CUDA graphs, fused AdamW kernels or single-rank FSDP2); ``+compile``, ``+graph``,
   ``+dedup`` force ``Execution(compile=True)``, ``cuda_graphs=True``, ``token_dedup=True`` (on a
   baseline row ``+compile`` applies ``compile_blocks`` to every decoder layer, its MoE block
-  included, and ``compile_loss``; ``+compile_dense`` the dense parts only); ``+budget``
+  included, ``compile_loss`` and ``compile_head``; ``+compile_dense`` the dense parts only); ``+budget``
   (``ep:symm``, ``ep:a2a`` above degree 1) sets ``Execution(row_budget=ceil(--row-budget x batch x
   seq x top_k))``, a static plan free of host syncs (on ``ep:a2a`` the padded all-to-all),
   ``+autobudget`` ``row_budget="auto"``; ``+adamw`` steps with ``lightning_ep.optim.AdamW`` whatever
@@ -152,6 +152,7 @@ def make_module(
 
                     compiling.compile_blocks(decoder_layers(model))
                     compiling.compile_loss(model)  # as compile_layers=True does
+                    compiling.compile_head(model)
             self.model = model
 
         def on_fit_start(self) -> None:

@@ -18,6 +18,10 @@ statistics is compiled (``MoELayer.compile_routing``).
 ``compile_loss`` compiles a Hugging Face model's loss function: eagerly, the causal-LM loss copies
 the ``[tokens, vocab]`` logits to fp32 and keeps fp32 log-probabilities for backward (several GB of
 memory traffic per step at a 32k vocabulary); compiled, the fp32 arithmetic stays in registers.
+``compile_head`` compiles the output projection's ``forward``: under autocast with fp32 weights,
+eagerly, the backward widens the ``[vocab, hidden]`` weight gradient to fp32 through torch's
+element-wise copy loop, well below the memory's rate; compiled, the casts are vectorized Triton
+kernels and the GEMMs cuBLAS calls as before.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from lightning_ep.moe.layer import MoELayer
 
 _COMPILED = "_lightning_ep_compiled"
 _COMPILED_LOSS = "_lightning_ep_compiled_loss"
+_COMPILED_HEAD = "_lightning_ep_compiled_head"
 _log = logging.getLogger(__name__)
 
 
@@ -100,10 +105,28 @@ def compile_loss(model: nn.Module, **compile_kwargs: Any) -> bool:
     return True
 
 
+def compile_head(model: nn.Module, **compile_kwargs: Any) -> bool:
+    """Replace the ``forward`` of a model's output projection (Hugging Face's
+    ``get_output_embeddings()``, the ``lm_head``) with ``torch.compile(forward)``; the module, its
+    hooks (FSDP2's) and its state-dict keys stay as they are. Idempotent.
+
+    Returns:
+        Whether this call compiled it (``False`` when already compiled, or when ``model`` has no
+        output embeddings module).
+    """
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    if not isinstance(head, nn.Module) or getattr(head, _COMPILED_HEAD, False):
+        return False
+    head.forward = torch.compile(head.forward, **compile_kwargs)  # type: ignore[method-assign]
+    setattr(head, _COMPILED_HEAD, True)
+    return True
+
+
 def compile_for_training(model: nn.Module, blocks: Iterable[nn.Module], **compile_kwargs: Any) -> int:
-    """``compile_blocks(blocks)`` and ``compile_loss(model)`` for training ``model``: first sets its
-    ``config.use_cache = False`` (a training forward needs no KV cache, and with one Dynamo compiles
-    the attention once per layer).
+    """``compile_blocks(blocks)``, ``compile_loss(model)`` and ``compile_head(model)`` for training
+    ``model``: first sets its ``config.use_cache = False`` (a training forward needs no KV cache, and
+    with one Dynamo compiles the attention once per layer).
 
     Returns:
         The number of blocks compiled by this call.
@@ -113,6 +136,7 @@ def compile_for_training(model: nn.Module, blocks: Iterable[nn.Module], **compil
         config.use_cache = False  # type: ignore[union-attr]
         _log.info("compile_for_training: set %s's config.use_cache=False", type(model).__name__)
     compile_loss(model, **compile_kwargs)
+    compile_head(model, **compile_kwargs)
     return compile_blocks(blocks, **compile_kwargs)
 
 

@@ -22,6 +22,7 @@ import lightning_ep
 from lightning_ep.parallel.compile import (
     compile_blocks,
     compile_for_training,
+    compile_head,
     compile_loss,
     dense_children,
     is_compiled,
@@ -103,6 +104,7 @@ def test_compile_for_training_turns_the_kv_cache_off() -> None:
     assert model.config.use_cache is False
     assert all(is_compiled(block) for block in decoder_blocks(model))
     assert not compile_loss(model), "compile_for_training compiled the loss already"
+    assert not compile_head(model), "and the output projection"
 
 
 def test_compiled_loss_matches_eager() -> None:
@@ -128,6 +130,36 @@ def test_compiled_loss_matches_eager() -> None:
     grads = dict(eager.named_parameters())
     for name, param in compiled.named_parameters():
         assert rel_err(param.grad, grads[name].grad) < RTOL, name
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiled_head_matches_eager(autocast: bool) -> None:
+    """The output projection's compiled ``forward`` gives the eager logits and gradients bit for bit:
+    in fp32, and under bf16 autocast with fp32 weights (the casts compiled, their gradient widened
+    back to the fp32 weight as eagerly); a module without output embeddings is left alone."""
+    eager = _tiny("mixtral").train()
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_head(compiled)
+    assert not compile_head(compiled), "idempotent"
+    assert not compile_head(torch.nn.Linear(2, 2))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    losses = []
+    for model in (eager, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=ids, use_cache=False).logits
+        loss = logits.float().square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert compiled.lm_head.weight.grad.dtype == torch.float32
+    # Bit for bit: the same GEMMs on the same (bf16-rounded) operands, the casts exact or
+    # correctly rounded either way.
+    assert torch.equal(losses[1], losses[0]), losses
+    grads = dict(eager.named_parameters())
+    for name, param in compiled.named_parameters():
+        assert torch.equal(param.grad, grads[name].grad), name
 
 
 def test_checkpointed_layers_still_compile() -> None:
