@@ -320,14 +320,18 @@ def _callback(warmup: int, steps: int, device: torch.device, profile: bool, trac
                     torch.cuda.reset_peak_memory_stats(device)
                 self._t0 = time.perf_counter()
             if profile and batch_idx == warmup + steps and rank() == 0:
-                from torch.profiler import ProfilerActivity
+                from torch.profiler import ProfilerActivity, schedule
 
                 activities = [ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU]
                 if trace and ProfilerActivity.CPU not in activities:
                     activities.append(ProfilerActivity.CPU)  # host ops too, to explain idle GPU time
-                self._prof = torch.profiler.profile(activities=activities)
-                self._sync()
+                # One warm-up step under the profiler (its first-use costs in each thread stay out
+                # of the record), then the recorded step.
+                sched = schedule(wait=0, warmup=1, active=1, repeat=1)
+                self._prof = torch.profiler.profile(activities=activities, schedule=sched)
                 self._prof.__enter__()
+            if self._prof is not None and batch_idx == warmup + steps + 1:
+                self._sync()
                 self._t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, module: Any, out: Any, batch: Any, batch_idx: int) -> None:
@@ -340,8 +344,11 @@ def _callback(warmup: int, steps: int, device: torch.device, profile: bool, trac
                 if device.type == "cuda":
                     self.peak = torch.cuda.max_memory_allocated(device)
             if self._prof is not None and batch_idx == warmup + steps:
+                self._prof.step()  # the warm-up step ends; the recorded one follows
+            if self._prof is not None and batch_idx == warmup + steps + 1:
                 self._sync()
                 wall_ms = (time.perf_counter() - self._t0) * 1e3
+                self._prof.step()  # ends the record
                 self._prof.__exit__(None, None, None)
                 if trace:
                     Path(trace).parent.mkdir(parents=True, exist_ok=True)
@@ -429,7 +436,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         devices=world(),
         strategy=strategy,
         precision=args.precision,
-        max_steps=args.warmup + args.steps + (1 if args.profile else 0),
+        max_steps=args.warmup + args.steps + (2 if args.profile else 0),
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
@@ -451,7 +458,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
         compile_dense_only="compile_dense" in options,
         lora="lora" in options,
     )
-    steps = args.warmup + args.steps + 1
+    steps = args.warmup + args.steps + 2
     data = torch.utils.data.DataLoader(_Tokens(steps * batch * world(), args.seq, shape.vocab), batch_size=batch)
     with variant(code or "fast"):
         trainer.fit(module, data)
@@ -526,7 +533,11 @@ def main() -> None:
         help="AdamW: torch's fused or foreach kernels, or lightning_ep.optim.AdamW (hf_ep: foreach=False)",
     )
     parser.add_argument("--pretrained-dir", default="/tmp/bench_step_hf_ep")
-    parser.add_argument("--profile", action="store_true", help="profile one extra step: kernel time by class")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile two extra steps (a warm-up under the profiler, then the recorded one): kernel time by class",
+    )
     parser.add_argument(
         "--trace", default=None, help="with --profile: also record host ops and write a Chrome trace per row here"
     )

@@ -6,6 +6,8 @@
 Prints the GPU-busy and idle time of device 0 over the profiled step, then the idle time
 attributed to the outermost and to the innermost host operation (``cpu_op``, autograd
 functions included) that overlapped each gap: what the host was doing while the GPU waited.
+``--largest K`` also lists the K longest gaps one by one: when each opened, the kernels on either
+side and the host operations open during it, with their durations.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--min-us", type=float, default=5.0, help="ignore shorter gaps")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--largest", type=int, default=0, help="also list the K longest gaps one by one")
     args = parser.parse_args()
     with open(args.trace) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
@@ -79,6 +82,45 @@ def main() -> None:
         print(f"\n{title} (ms):")
         for name, us in sorted(table.items(), key=lambda kv: -kv[1])[: args.top]:
             print(f"  {us / 1e3:8.2f}  {name[:140]}")
+    if args.largest:
+        print_largest(events, gaps, ops, starts, busy[0][0], args.device, args.largest)
+
+
+def print_largest(
+    events: list[dict],
+    gaps: list[tuple[float, float]],
+    ops: list[dict],
+    starts: list[float],
+    t0: float,
+    device: int,
+    k: int,
+) -> None:
+    """The ``k`` longest gaps: opening time (ms from the first kernel), length, the kernels that end
+    and start it, and the host ops overlapping it (start relative to the gap, duration)."""
+    kernels = sorted(
+        (e for e in events if e.get("cat") in GPU_CATEGORIES and e.get("args", {}).get("device", device) == device),
+        key=lambda e: e["ts"],
+    )
+    kernel_starts = [e["ts"] for e in kernels]
+    print(f"\nthe {k} longest gaps:")
+    for g0, g1 in sorted(gaps, key=lambda g: g[0] - g[1])[:k]:
+        j = bisect.bisect_left(kernel_starts, g1)
+        before = max(
+            (e for e in kernels[max(0, j - 50) : j] if e["ts"] + e["dur"] <= g0 + 0.5),
+            key=lambda e: e["ts"] + e["dur"],
+            default=None,
+        )
+        after = kernels[j] if j < len(kernels) else None
+        print(f"  at {(g0 - t0) / 1e3:8.3f} ms, {(g1 - g0):8.1f} us")
+        print(f"    after  {before['name'][:110] if before else '-'}")
+        print(f"    before {after['name'][:110] if after else '-'}")
+        i = bisect.bisect_right(starts, g1)
+        live = [e for e in ops[max(0, i - 4000) : i] if e["ts"] + e["dur"] > g0]
+        shown = sorted(sorted(live, key=lambda e: -e["dur"])[:30], key=lambda e: e["ts"])
+        for e in shown:
+            print(f"    host {e['ts'] - g0:+9.1f} us {e['dur']:9.1f} us  {e['name'][:100]}")
+        if len(live) > len(shown):
+            print(f"    ({len(live) - len(shown)} shorter host ops not shown)")
 
 
 if __name__ == "__main__":
