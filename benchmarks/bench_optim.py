@@ -6,9 +6,12 @@ every layer (``[E / degree, 2I, H]`` and ``[E / degree, H, I]`` per layer), rand
 one ``optimizer.step()`` of torch's fused AdamW, torch's foreach AdamW and this library's (CUDA
 events, median), and says whether this library's parameters and moments after three steps equal
 torch's fused ones bit for bit. Memory moved per step: 14 bytes per bf16 parameter (parameter,
-gradient and both moments read; parameter and moments written). One process::
+gradient and both moments read; parameter and moments written; 28 in fp32, ``--dtype fp32``, the
+master weights of ``bf16-mixed``). ``--blocks`` adds a row of this library's kernel per block size
+(elements per program). One process::
 
     python benchmarks/bench_optim.py --record
+    python benchmarks/bench_optim.py --shapes coarse --degrees 1 --dtype fp32 --blocks 512 1024 2048 4096
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from _common import SHAPES, add_record_args, log, markdown_table, report, time_ms
 from torch import nn
 
+from lightning_ep import optim
 from lightning_ep.optim import AdamW
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
@@ -56,13 +60,20 @@ def same_bits(shape_name: str, degree: int, device: torch.device, dtype: torch.d
 
 
 def measure(shape_name: str, degree: int, device: torch.device, args: Any) -> list[dict[str, Any]]:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" and args.dtype == "bf16" else torch.float32
+    runs = [(name, make, None) for name, make in OPTIMIZERS.items()]
+    runs += [(f"lightning_ep, block {b}", OPTIMIZERS["lightning_ep"], b) for b in args.blocks]
     rows = []
-    for name, make in OPTIMIZERS.items():
+    for name, make, block in runs:
         params = expert_params(shape_name, degree, device, dtype)
         count = sum(p.numel() for p in params)
         optimizer = make(params)
-        ms = time_ms(optimizer.step, device, warmup=args.warmup, iters=args.iters)
+        default_block = optim._BLOCK
+        optim._BLOCK = block or default_block
+        try:
+            ms = time_ms(optimizer.step, device, warmup=args.warmup, iters=args.iters)
+        finally:
+            optim._BLOCK = default_block
         moved = count * (7 * torch.finfo(dtype).bits // 8)
         rows.append(
             {
@@ -82,7 +93,7 @@ def measure(shape_name: str, degree: int, device: torch.device, args: Any) -> li
     bits["lightning_ep"] = "yes" if same_bits(shape_name, degree, device, dtype) else "NO"
     for row in rows:
         row["vs torch fused"] = fused / row["step ms"]
-        row["same bits as torch fused"] = bits[row["optimizer"]]
+        row["same bits as torch fused"] = bits.get(row["optimizer"], "-")
     return rows
 
 
@@ -92,6 +103,8 @@ def main() -> None:
     parser.add_argument("--degrees", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="parameters' dtype on CUDA")
+    parser.add_argument("--blocks", nargs="*", type=int, default=[], help="also time the kernel at these blocks")
     add_record_args(parser)
     args = parser.parse_args()
 
@@ -100,9 +113,9 @@ def main() -> None:
     for shape_name in args.shapes:
         for degree in args.degrees:
             rows += measure(shape_name, degree, device, args)
-            log(rows[-3:])
+            log(rows[-3 - len(args.blocks) :])
     notes = (
-        f"bf16 on CUDA (fp32 on the CPU, where every tensor takes torch's fused kernel), the expert weights of "
+        f"{args.dtype} on CUDA (fp32 on the CPU, where every tensor takes torch's fused kernel), the expert weights of "
         f"every layer of the shape, one rank's share at each degree; median of {args.iters} steps after "
         f"{args.warmup} warm-ups. GB/s: 14 bytes per bf16 parameter (28 in fp32) over the step's time. "
         "`same bits`: parameters and both moments after three steps, against torch's fused AdamW."
