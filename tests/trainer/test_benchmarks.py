@@ -95,11 +95,12 @@ def test_bench_experts_runs(tmp_path: Path) -> None:
 
 
 def test_bench_optim_runs(tmp_path: Path) -> None:
-    args = ["--shapes", "tiny", "--degrees", "1", "2", "--iters", "2", "--warmup", "1"]
+    args = ["--shapes", "tiny", "--degrees", "1", "2", "--iters", "2", "--warmup", "1", "--blocks", "512"]
     text = _run("bench_optim.py", args, tmp_path, nproc=1)
     table = _table_rows(text)
-    assert len(table) == 6, text  # 2 degrees x 3 optimizers
-    assert [row[-1] for row in table] == ["reference", "-", "yes"] * 2, text
+    assert len(table) == 8, text  # 2 degrees x (3 optimizers + 1 block size)
+    assert [row[-1] for row in table] == ["reference", "-", "yes", "-"] * 2, text
+    assert all("block 512" in row[3] for row in table[3::4]), text
 
 
 def test_bench_sinkhorn_runs(tmp_path: Path) -> None:
