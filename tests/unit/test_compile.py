@@ -12,6 +12,7 @@ twin is ``tests/gpu/test_compile_cuda.py``; the Trainer run at degree 2 is in
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -107,25 +108,38 @@ def test_compile_for_training_turns_the_kv_cache_off() -> None:
     assert not compile_head(model), "and the output projection"
 
 
-def test_compiled_loss_matches_eager() -> None:
-    """The causal-LM loss, fused by inductor (fp32 log-softmax without an fp32 copy of the logits),
-    gives the eager loss and gradients; a module without Hugging Face's ``loss_function`` is left alone."""
+def _eager_and_compiled(compile_fn: Callable[[torch.nn.Module], bool]) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny Mixtral and its copy with ``compile_fn`` applied (Dynamo reset, its counters cleared);
+    checks that ``compile_fn`` compiles once, is idempotent and leaves a plain ``Linear`` alone."""
     eager = _tiny("mixtral").train()
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
     counters.clear()
-    assert compile_loss(compiled)
-    assert not compile_loss(compiled), "idempotent"
-    assert not compile_loss(torch.nn.Linear(2, 2))
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
-    labels = ids.clone()
-    labels[0, :5] = -100  # ignored positions, as padding gives
+    assert compile_fn(compiled)
+    assert not compile_fn(compiled), "idempotent"
+    assert not compile_fn(torch.nn.Linear(2, 2))
+    return eager, compiled
+
+
+def _backward_each(models: tuple[torch.nn.Module, ...], loss_of: Callable[[torch.nn.Module], torch.Tensor]) -> list:
+    """``loss_of(model).backward()`` for each model; the detached losses."""
     losses = []
-    for model in (eager, compiled):
-        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+    for model in models:
+        loss = loss_of(model)
         loss.backward()
         losses.append(loss.detach())
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    return losses
+
+
+def test_compiled_loss_matches_eager() -> None:
+    """The causal-LM loss, fused by inductor (fp32 log-softmax without an fp32 copy of the logits),
+    gives the eager loss and gradients; a module without Hugging Face's ``loss_function`` is left alone."""
+    eager, compiled = _eager_and_compiled(compile_loss)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, :5] = -100  # ignored positions, as padding gives
+    losses = _backward_each((eager, compiled), lambda m: m(input_ids=ids, labels=labels, use_cache=False).loss)
     assert rel_err(losses[1], losses[0]) < RTOL, losses
     grads = dict(eager.named_parameters())
     for name, param in compiled.named_parameters():
@@ -137,22 +151,15 @@ def test_compiled_head_matches_eager(autocast: bool) -> None:
     """The output projection's compiled ``forward`` gives the eager logits and gradients bit for bit:
     in fp32, and under bf16 autocast with fp32 weights (the casts compiled, their gradient widened
     back to the fp32 weight as eagerly); a module without output embeddings is left alone."""
-    eager = _tiny("mixtral").train()
-    compiled = copy.deepcopy(eager)
-    torch._dynamo.reset()
-    counters.clear()
-    assert compile_head(compiled)
-    assert not compile_head(compiled), "idempotent"
-    assert not compile_head(torch.nn.Linear(2, 2))
+    eager, compiled = _eager_and_compiled(compile_head)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
-    losses = []
-    for model in (eager, compiled):
+
+    def loss_of(model: torch.nn.Module) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits = model(input_ids=ids, use_cache=False).logits
-        loss = logits.float().square().mean()
-        loss.backward()
-        losses.append(loss.detach())
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        return logits.float().square().mean()
+
+    losses = _backward_each((eager, compiled), loss_of)
     assert compiled.lm_head.weight.grad.dtype == torch.float32
     # Bit for bit: the same GEMMs on the same (bf16-rounded) operands, the casts exact or
     # correctly rounded either way.
