@@ -344,7 +344,8 @@ def _callback(warmup: int, steps: int, device: torch.device, profile: bool, trac
                 if device.type == "cuda":
                     self.peak = torch.cuda.max_memory_allocated(device)
             if self._prof is not None and batch_idx == warmup + steps:
-                self._prof.step()  # the warm-up step ends; the recorded one follows
+                self._sync()  # the warm-up step's kernels stay out of the record
+                self._prof.step()  # the recorded step follows
             if self._prof is not None and batch_idx == warmup + steps + 1:
                 self._sync()
                 wall_ms = (time.perf_counter() - self._t0) * 1e3
