@@ -41,6 +41,13 @@ def _within(a: dict, b: dict) -> bool:
     return b["ts"] <= a["ts"] and a["ts"] + a["dur"] <= b["ts"] + b["dur"]
 
 
+def live_ops(ops: list[dict], starts: list[float], g0: float, g1: float) -> list[dict]:
+    """The host ops (sorted by start, ``starts`` their start times) overlapping the gap ``[g0, g1]``:
+    those starting before its end and ending after its start (among the 4000 last to start)."""
+    i = bisect.bisect_right(starts, g1)
+    return [e for e in ops[max(0, i - 4000) : i] if e["ts"] + e["dur"] > g0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace")
@@ -60,14 +67,14 @@ def main() -> None:
     print(f"span {span / 1e3:.2f} ms, GPU busy {busy_us / 1e3:.2f} ms, idle {(span - busy_us) / 1e3:.2f} ms")
     print(f"{len(gaps)} gaps >= {args.min_us} us: {sum(e - s for s, e in gaps) / 1e3:.2f} ms")
 
-    ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation")), key=lambda e: e["ts"])
+    # Host ops, less the profiler's own step annotation (``ProfilerStep#N``, around everything).
+    host = (e for e in events if e.get("cat") in ("cpu_op", "user_annotation"))
+    ops = sorted((e for e in host if not e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
     starts = [e["ts"] for e in ops]
     outer: dict[str, float] = defaultdict(float)
     inner: dict[str, float] = defaultdict(float)
     for g0, g1 in gaps:
-        # Host ops overlapping the gap (those starting before its end and ending after its start).
-        i = bisect.bisect_right(starts, g1)
-        live = [e for e in ops[max(0, i - 4000) : i] if e["ts"] + e["dur"] > g0]
+        live = live_ops(ops, starts, g0, g1)
         if not live:
             outer["(no host op)"] += g1 - g0
             inner["(no host op)"] += g1 - g0
@@ -114,8 +121,7 @@ def print_largest(
         print(f"  at {(g0 - t0) / 1e3:8.3f} ms, {(g1 - g0):8.1f} us")
         print(f"    after  {before['name'][:110] if before else '-'}")
         print(f"    before {after['name'][:110] if after else '-'}")
-        i = bisect.bisect_right(starts, g1)
-        live = [e for e in ops[max(0, i - 4000) : i] if e["ts"] + e["dur"] > g0]
+        live = live_ops(ops, starts, g0, g1)
         shown = sorted(sorted(live, key=lambda e: -e["dur"])[:30], key=lambda e: e["ts"])
         for e in shown:
             print(f"    host {e['ts'] - g0:+9.1f} us {e['dur']:9.1f} us  {e['name'][:100]}")

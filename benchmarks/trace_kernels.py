@@ -27,8 +27,8 @@ def host_stacks(events: list[dict[str, Any]], launches: dict[int, dict[str, Any]
     thread open at the launch, outermost first (host operations nest within a thread)."""
     ops: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
     for e in events:
-        if e.get("cat") in HOST_CATEGORIES:
-            ops[(e.get("pid"), e.get("tid"))].append(e)
+        if e.get("cat") in HOST_CATEGORIES and not e.get("name", "").startswith("ProfilerStep#"):
+            ops[(e.get("pid"), e.get("tid"))].append(e)  # not the profiler's own step annotation
     queries: dict[tuple[Any, Any], list[tuple[float, int]]] = defaultdict(list)
     for corr, launch in launches.items():
         queries[(launch.get("pid"), launch.get("tid"))].append((launch["ts"], corr))
