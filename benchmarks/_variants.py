@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from lightning_ep import step_checks
-from lightning_ep.moe import GroupedExperts
+from lightning_ep.moe import GroupedExperts, MoELayer
 from lightning_ep.moe.dispatch import all_to_all as dispatch_ep
 from lightning_ep.moe.dispatch import base as dispatch
 from lightning_ep.moe.dispatch import combine, symm_pull
@@ -43,6 +43,7 @@ VARIANTS = (
     "torch-sinkhorn",
     "torch-cast",
     "device-logging",
+    "unrouted-graphs",
 )
 
 _SWIGLU, _SWIGLU_BACKWARD = swiglu.swiglu, swiglu.swiglu_backward
@@ -163,7 +164,9 @@ def variant(name: str) -> Iterator[None]:
       (``lightning_ep.moe.kernels.cast``; bf16-mixed with the experts outside FSDP2);
     - ``device-logging``: the MoE losses logged as device tensors, which Lightning reads back for
       the progress bar at every batch end (the non-finite flags still read from their host copy),
-      not as the CPU tensors copied after each forward (``lightning_ep.step_checks``).
+      not as the CPU tensors copied after each forward (``lightning_ep.step_checks``);
+    - ``unrouted-graphs``: the CUDA graphs start at the dispatch at degree 1 too, the routing run
+      before them by the host (``MoELayer._graphs_take_routing``).
     """
     patches: dict[str, Any] = {}
     if name in ("unfused-swiglu", "reference"):
@@ -205,6 +208,8 @@ def variant(name: str) -> Iterator[None]:
         patches |= {"cast_for_compute": _torch_cast}
     if name == "device-logging":
         patches |= {"_queue_to_host": _queue_keeping_device, "before_optimizer_step": _log_device_tensors}
+    if name == "unrouted-graphs":
+        patches |= {"_graphs_take_routing": lambda self, tokens, z_weight_T: False}
     modules = (
         combine,
         router,
@@ -220,6 +225,7 @@ def variant(name: str) -> Iterator[None]:
         compiling,
         step_checks,
         step_checks.StepChecks,
+        MoELayer,
     )
     saved = [(m, k, getattr(m, k)) for m in modules for k in patches if k in vars(m)]
     for module, key, _ in saved:

@@ -200,6 +200,12 @@ class MoEConfig:
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "balance_update_rate"):
             _check_float(name, getattr(self, name))
 
+    def loss_weights(self, loss_scale: float = 1.0) -> list[float]:
+        """The weights of ``[aux_loss, z_loss]`` in the gradients, times ``loss_scale`` (0 for a loss that is off)."""
+        aux_weight = self.moe_aux_loss_coeff * loss_scale if self.aux_loss_active else 0.0
+        z_weight = self.moe_z_loss_coeff * loss_scale if self.z_loss_active else 0.0
+        return [aux_weight, z_weight]
+
     @property
     def aux_loss_active(self) -> bool:
         """Whether the load-balancing loss reaches the gradients."""

@@ -5,13 +5,17 @@ the local dispatch, nothing in a layer between its routing and its output depend
 shape is static and no value is read back. At fine-grained shapes the host then spends more time
 launching that part's hundred-odd small kernels than the GPU spends running them. ``LayerGraphs``
 captures the part once in a CUDA graph for the forward and one for the backward, and from then on
-launches each with one call:
+launches each with one call. At degree 1 the routing (``routing.route``: the router, its losses and
+statistics) is captured with it (``routed``) when nothing of it is needed outside the layer: every
+token real (no padding mask), no router logits recorded, no token shuffle; otherwise the routing
+runs before the graph, which starts at the dispatch.
 
 - the first ``WARMUP`` training calls of a layer run eagerly (Triton, ``torch.compile`` and NCCL
   initialise there); the next one captures the forward, and its backward the backward;
-- each replay copies its inputs (tokens, expert ids, routing weights; the output's gradient) into
-  the graph's own buffers; the expert weights are read where they are, so the optimizer's in-place
-  updates reach the graph (a weight that moved raises, see ``_check_weights``);
+- each replay copies its inputs (tokens, expert ids, routing weights, or with the routing the
+  router's parameters and buffers, which FSDP2 gathers anew each step; the output's gradient and
+  the losses') into the graph's own buffers; the expert weights are read where they are, so the
+  optimizer's in-place updates reach the graph (a weight that moved raises, see ``_check_weights``);
 - the captured kernels are the eager ones, on the same values, so the results are the same bits;
 - all layers' forward graphs share one memory pool and all their backward graphs another, captured
   in the order they replay (forwards in layer order, backwards in reverse), as
@@ -34,12 +38,22 @@ accumulation.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from lightning_ep.moe.experts.grouped import RoutedExperts, grouped_mm_supported, local_tensor
+from lightning_ep.moe.graph_inputs import (
+    backward_of,
+    gate_tensors,
+    plain_key,
+    routed_key,
+    static_copy,
+    swapped,
+    with_grad,
+)
 
 #: Eager training calls of a layer before its graphs are captured.
 WARMUP = 2
@@ -79,11 +93,16 @@ class LayerGraphs:
         self.bwd: torch.cuda.CUDAGraph | None = None
         self._token: weakref.ref[_Pending] | None = None  # the last replayed forward's
         self._key: tuple[Any, ...] | None = None
-        self._static: list[torch.Tensor] = []  # x_TH, ids_TK, weights_TK, then the weights' local shards
-        self._writable: list[torch.Tensor] = []  # the first three, written before each replay
-        self._outputs: tuple[torch.Tensor, ...] = ()  # out_TH, counts_E, loads_D
-        self._grad_out: torch.Tensor | None = None
+        # x_TH, ids_TK, weights_TK (routed: x_TH, the router's tensors), then the weights' local shards
+        self._static: list[torch.Tensor] = []
+        self._writable: list[torch.Tensor] = []  # those before the weights, written before each replay
+        # out_TH, counts_E, loads_D (routed: then aux_loss, z_loss, entropy, logits_finite)
+        self._outputs: tuple[torch.Tensor, ...] = ()
+        self._grad_outs: list[torch.Tensor] = []  # the output's gradient (routed: then the losses')
         self._grads: list[torch.Tensor | None] = []
+        self._gate: nn.Module | None = None  # the router, when the routing is captured
+        self._gate_names: list[str] = []
+        self._takes: list[int] = []  # positions in ``_outputs`` whose gradients the backward takes
         self._pointers: list[int] = []
         self._layer_pools: tuple[Any, Any] | None = None  # forward, backward
 
@@ -94,10 +113,19 @@ class LayerGraphs:
         return token is not None and not token.done
 
     def applies(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> bool:
-        """Whether this call replays the graphs; ``False``: the caller runs the layer eagerly."""
+        """Whether this call replays the graphs from the dispatch on; ``False``: the caller runs the
+        layer eagerly."""
+        return self._applies(x_TH, lambda: plain_key(x_TH, expert_ids_TK, weights_TK, self._weights()))
+
+    def applies_routed(self, x_TH: torch.Tensor, gate: nn.Module, check_finite: bool) -> bool:
+        """Whether this call replays the graphs with the routing (see ``routed``); ``False``: the caller
+        runs the whole layer eagerly."""
+        return self._applies(x_TH, lambda: routed_key(x_TH, gate, check_finite, self._weights()))
+
+    def _applies(self, x_TH: torch.Tensor, make_key: Any) -> bool:
         if not (torch.is_grad_enabled() and x_TH.is_cuda) or self.pending:
             return False
-        key = _key(x_TH, expert_ids_TK, weights_TK, self._weights())
+        key = make_key()
         if not any(key[-1]):  # nothing needs a gradient
             return False
         if self.fwd is not None:
@@ -115,38 +143,55 @@ class LayerGraphs:
             budget.check(wait=False)
         if self.fwd is None:
             self._capture_forward(x_TH, expert_ids_TK, weights_TK, weights)
-        out_TH, counts_E = _Replay.apply(self, x_TH, expert_ids_TK, weights_TK, *weights)
+        out_TH, counts_E = _Replay.apply(self, x_TH, expert_ids_TK, weights_TK, *weights)[:2]
         if budget is not None:
             budget.note(self._outputs[2])
         return out_TH, counts_E
 
+    def routed(
+        self, x_TH: torch.Tensor, gate: nn.Module, route: Any, check_finite: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``out_TH``, the tokens per expert and ``(aux_loss, z_loss, entropy, logits_finite)`` as
+        ``route(gate, x_TH, check_finite)`` followed by the eager dispatch, experts and combine give
+        them (the losses with their gradients; ``logits_finite`` all true unless checked). Only at
+        degree 1 (the local dispatch); ``route`` is the layer's (compiled or not)."""
+        if self.fwd is None:
+            self._capture_routed(x_TH, gate, route, check_finite)
+        tensors = [getattr(gate, name) for name in self._gate_names]
+        weights = [local_tensor(p) for p in self._weights()]
+        out_TH, counts_E, aux, zl, entropy, finite = _Replay.apply(self, x_TH, *tensors, *weights)
+        return out_TH, counts_E, (aux, zl, entropy, finite)
+
     # ------------------------------------------------------------------------ replay
 
-    def replay_forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_weights(inputs[3:])
+    def replay_forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The outputs after ``_outputs``' loads (``loads_D``), cloned out of the graph's buffers."""
+        written = len(self._writable)
+        self._check_weights(inputs[written:])
         replayed = LayerGraphs._replayed_backward.pop(self.device, None)
         if replayed is not None:  # the next backward replay starts a new backward pass
             earlier = LayerGraphs._earlier_pass.setdefault(self.device, weakref.WeakValueDictionary())
             earlier.update(replayed)
         with torch.no_grad():
-            for static, value in zip(self._writable, inputs[:3], strict=True):
+            for static, value in zip(self._writable, inputs[:written], strict=True):
                 static.copy_(value)
         assert self.fwd is not None
         self.fwd.replay()
-        out_TH, counts_E, _ = self._outputs
-        return out_TH.clone(), counts_E.clone()
+        return tuple(t.clone() for i, t in enumerate(self._outputs) if i != 2)
 
-    def replay_backward(self, grad_out_TH: torch.Tensor | None) -> list[torch.Tensor | None]:
+    def replay_backward(self, grads_in: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """``grads_in``: the gradients of the output (and of the losses), ``None`` for zero."""
         if self.bwd is None:
             self._capture_backward()
-        assert self._grad_out is not None and self.bwd is not None
+        assert self.bwd is not None
         earlier = LayerGraphs._earlier_pass.pop(self.device, None)
         for graphs in list(earlier.values()) if earlier is not None else []:
             graphs._release_grads()
-        if grad_out_TH is None:
-            self._grad_out.zero_()
-        else:
-            self._grad_out.copy_(grad_out_TH)
+        for static, grad in zip(self._grad_outs, grads_in, strict=True):
+            if grad is None:
+                static.zero_()
+            else:
+                static.copy_(grad)
         self.bwd.replay()
         LayerGraphs._replayed_backward.setdefault(self.device, weakref.WeakValueDictionary())[id(self)] = self
         return self._grads
@@ -157,9 +202,18 @@ class LayerGraphs:
         pool), so the first backward replay of a pass first releases the gradients of the backwards
         replayed in earlier passes: after ``zero_grad(set_to_none=True)`` there is nothing to copy;
         under gradient accumulation (or ``set_to_none=False``) the gradient is copied once."""
-        for p, grad in zip(self._weights(), self._grads[3:], strict=True):
-            if grad is not None and p.grad is not None and local_tensor(p.grad).data_ptr() == grad.data_ptr():
+        for p, grad in zip(self._owners(), self._grads, strict=True):
+            if p is None or grad is None or p.grad is None:
+                continue
+            if local_tensor(p.grad).data_ptr() == grad.data_ptr():
                 p.grad = p.grad.clone()
+
+    def _owners(self) -> list[Any]:
+        """What each of ``_grads`` is the gradient of, now (the router's tensors as FSDP2 holds them
+        in backward); ``None`` for the graph's other inputs."""
+        gate = [getattr(self._gate, n) for n in self._gate_names] if self._gate is not None else []
+        before = len(self._writable) - len(gate)
+        return [None] * before + gate + list(self._weights())
 
     def release(self) -> None:
         """Drop the graphs and their buffers (a later training call captures anew after its warm-up).
@@ -169,8 +223,8 @@ class LayerGraphs:
         if self.fwd is not None:
             torch.cuda.synchronize()
         self.fwd = self.bwd = self._layer_pools = None
-        self._static, self._writable, self._outputs, self._grads = [], [], (), []
-        self._grad_out, self._key, self._token, self.calls = None, None, None, 0
+        self._static, self._writable, self._outputs, self._grads, self._grad_outs = [], [], (), [], []
+        self._key, self._token, self.calls, self._gate, self._gate_names = None, None, 0, None, []
         for registry in (LayerGraphs._replayed_backward, LayerGraphs._earlier_pass):
             if self.device in registry:
                 registry[self.device].pop(id(self), None)
@@ -203,6 +257,45 @@ class LayerGraphs:
     def _capture_forward(
         self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, weights: list[torch.Tensor]
     ) -> None:
+        self._check_grouped(x_TH)
+        self._key = plain_key(x_TH, ids_TK, weights_TK, self._weights())
+        self._set_static([x_TH, ids_TK, weights_TK], weights)
+        with torch.enable_grad(), self._capturing(self.fwd, self._layer_pools[0]):  # type: ignore[index]
+            self._outputs = self._core(self._static[0], self._static[1], self._static[2], self._static[3:])
+        self._takes = with_grad(self._outputs)
+
+    def _capture_routed(self, x_TH: torch.Tensor, gate: nn.Module, route: Any, check_finite: bool) -> None:
+        self._check_grouped(x_TH)
+        self._key = routed_key(x_TH, gate, check_finite, self._weights())
+        self._gate = gate
+        self._gate_names = [name for name, _ in gate_tensors(gate)]
+        weights = [local_tensor(p) for p in self._weights()]
+        self._set_static([x_TH, *(t for _, t in gate_tensors(gate))], weights)
+        gate_static = self._static[1 : len(self._writable)]
+
+        def routed() -> tuple[torch.Tensor, ...]:
+            with swapped(gate, dict(zip(self._gate_names, gate_static, strict=True))):
+                ids_TK, weights_TK, stats = route(gate, self._static[0], check_finite, None, None)
+            weights = self._static[len(self._writable) :]
+            out_TH, counts_E, loads_D = self._core(self._static[0], ids_TK, weights_TK, weights)
+            finite = stats.logits_finite
+            if finite is None:
+                finite = torch.ones((), dtype=torch.bool, device=out_TH.device)
+            return out_TH, counts_E, loads_D, stats.aux_loss, stats.z_loss, stats.entropy, finite
+
+        # One forward and backward before the capture, on the capture's stream and inputs: a
+        # compilation or lazy initialisation they trigger happens here, not inside the capture.
+        stream = LayerGraphs._streams[self.device]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.enable_grad():
+            backward_of(routed(), self._static)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.enable_grad(), self._capturing(self.fwd, self._layer_pools[0]):  # type: ignore[index]
+            self._outputs = routed()
+        self._takes = with_grad(self._outputs)
+
+    def _check_grouped(self, x_TH: torch.Tensor) -> None:
+        """Refuse experts whose GEMMs would fall back to the per-expert loop (host counts)."""
         dtype = self.experts.compute_dtype
 
         def on_meta(w: torch.Tensor) -> torch.Tensor:  # what a GEMM multiplies: only its dtype and shape matter
@@ -224,32 +317,31 @@ class LayerGraphs:
                 f"{[tuple(w.shape) for w in self._weights()]}: the per-expert loop reads the counts on the host, which "
                 "a graph cannot. Use a LoRA rank that is a multiple of 8, or set cuda_graphs=False."
             )
-        self._key = _key(x_TH, ids_TK, weights_TK, self._weights())
+
+    def _set_static(self, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+        """The graph's input buffers: copies of ``inputs`` (written before each replay), then ``weights``
+        where they are; the memory pools and the forward graph to capture into."""
         # ``.data``: aliases with a version counter of their own. The capture's autograd graph saves the
         # inputs at version 0; the replays' writes into them, and the optimizer's into the weights, must
         # not count as changes before the backward's capture checks those versions.
-        self._static = [t.detach().clone().data.requires_grad_(t.requires_grad) for t in (x_TH, ids_TK, weights_TK)]
+        self._static = [static_copy(t) for t in inputs]
         self._static += [w.data.requires_grad_(w.requires_grad) for w in weights]
-        self._writable = [t.data for t in self._static[:3]]
+        self._writable = [t.data for t in self._static[: len(inputs)]]
         self._pointers = [w.data_ptr() for w in weights]
-        self.device = x_TH.device.index
+        self.device = inputs[0].device.index
         self._layer_pools = self._shared_pools()
+        if self.device not in LayerGraphs._streams:
+            LayerGraphs._streams[self.device] = torch.cuda.Stream()
         self.fwd = torch.cuda.CUDAGraph()
-        with torch.enable_grad(), self._capturing(self.fwd, self._layer_pools[0]):
-            self._outputs = self._core(self._static[0], self._static[1], self._static[2], self._static[3:])
 
     def _capture_backward(self) -> None:
-        out_TH = self._outputs[0]
-        self._grad_out = torch.zeros_like(out_TH)
-        needs = [i for i, t in enumerate(self._static) if t.requires_grad]
+        self._grad_outs = [torch.zeros_like(self._outputs[i]) for i in self._takes]
         self.bwd = torch.cuda.CUDAGraph()
         assert self._layer_pools is not None
         with self._capturing(self.bwd, self._layer_pools[1]):
-            grads = torch.autograd.grad(out_TH, [self._static[i] for i in needs], self._grad_out, allow_unused=True)
-        self._grads = [None] * len(self._static)
-        for i, grad in zip(needs, grads, strict=True):
-            self._grads[i] = grad
-        self._outputs = (out_TH.detach(), *self._outputs[1:])  # frees the capture's autograd graph
+            self._grads = backward_of(self._outputs, self._static, self._grad_outs)
+        # Frees the capture's autograd graph.
+        self._outputs = tuple(t.detach() if t is not None else t for t in self._outputs)
 
     def _shared_pools(self) -> tuple[Any, Any]:
         """The device's forward and backward pools while another layer's graphs live in them, else
@@ -262,24 +354,12 @@ class LayerGraphs:
         members.add(self)
         return LayerGraphs._pools[self.device]
 
-    def _capturing(self, graph: torch.cuda.CUDAGraph, pool: Any) -> Any:
-        device = torch.cuda.current_device()
-        if device not in LayerGraphs._streams:
-            LayerGraphs._streams[device] = torch.cuda.Stream()
+    def _capturing(self, graph: torch.cuda.CUDAGraph | None, pool: Any) -> Any:
+        assert graph is not None
         # thread_local: NCCL's watchdog thread may query its events while this thread captures.
         return torch.cuda.graph(
-            graph, pool=pool, stream=LayerGraphs._streams[device], capture_error_mode="thread_local"
+            graph, pool=pool, stream=LayerGraphs._streams[self.device], capture_error_mode="thread_local"
         )
-
-
-def _key(
-    x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, weights: list[nn.Parameter]
-) -> tuple[Any, ...]:
-    tensors = (x_TH, ids_TK, weights_TK, *weights)
-    return (
-        tuple((t.shape, t.dtype, t.device) for t in (x_TH, ids_TK, weights_TK)),
-        tuple(t.requires_grad for t in tensors),
-    )
 
 
 class _Pending:
@@ -293,20 +373,25 @@ class _Pending:
 
 
 class _Replay(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, graphs: LayerGraphs, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out_TH, counts_E = graphs.replay_forward(inputs)
-        ctx.graphs, ctx.token = graphs, _Pending()
-        graphs._token = weakref.ref(ctx.token)
-        ctx.mark_non_differentiable(counts_E)
-        return out_TH, counts_E
+    """The replayed graphs: ``out_TH``, ``counts_E`` (routed: then ``aux_loss``, ``z_loss``, ``entropy``,
+    ``logits_finite``); the gradients of ``out_TH`` and of the losses flow back."""
 
     @staticmethod
-    def backward(ctx: Any, grad_out_TH: torch.Tensor | None, _grad_counts: Any) -> tuple[Any, ...]:
+    def forward(ctx: Any, graphs: LayerGraphs, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = graphs.replay_forward(inputs)
+        ctx.graphs, ctx.token = graphs, _Pending()
+        graphs._token = weakref.ref(ctx.token)
+        ctx.mark_non_differentiable(*(t for i, t in enumerate(outputs) if i not in (0, 2, 3)))
+        # Positions in ``outputs`` (``_outputs`` without its loads) of the gradients the backward graph takes.
+        ctx.takes = [i if i < 2 else i - 1 for i in graphs._takes]
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         if ctx.token.done:
             raise RuntimeError(
                 "MoEConfig.cuda_graphs=True: a second backward through the same forward (retain_graph=True) cannot "
                 "replay the backward graph, whose buffers the first backward reused; set cuda_graphs=False."
             )
         ctx.token.done = True
-        return (None, *ctx.graphs.replay_backward(grad_out_TH))
+        return (None, *ctx.graphs.replay_backward([grads[i] for i in ctx.takes]))

@@ -18,7 +18,7 @@ from lightning_ep.moe.dispatch.base import Dispatcher, LocalDispatcher, count_id
 from lightning_ep.moe.dispatch.select import make_dispatcher
 from lightning_ep.moe.experts.grouped import RoutedExperts
 from lightning_ep.moe.routing.losses import attach_losses
-from lightning_ep.moe.routing.rng import DrawCounter, ForwardRecords, in_backward, make_generator
+from lightning_ep.moe.routing.rng import DrawCounter, ForwardRecords, in_backward, jitter_factors, layer_generator
 from lightning_ep.moe.routing.route import RouterLogits, RouterStats, all_finite, route
 from lightning_ep.moe.routing.router import TopKRouter
 from lightning_ep.moe.tokens import LayerTokens, TokenBatch, origin_weights, select_tokens
@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     from lightning_ep.moe.dispatch.all_to_all import KeptExchange, TokenShuffle
     from lightning_ep.moe.graphs import LayerGraphs
 
-_JITTER_STREAM = 0
-_SHUFFLE_STREAM = 1
 _MAX_KEPT = 4  # KeptExchange entries per layer awaiting their recomputation
 _MAX_TOKEN_BATCHES = 64  # token batches of training forwards awaiting their recomputation, as DrawCounter
 # The layer's roles for its children; ``MoELayer(child_names=...)`` maps them to Hugging Face names.
@@ -207,7 +205,7 @@ class MoELayer(nn.Module):
         elif tokens.valid_T is not None:
             x_TH = torch.where(tokens.valid_T[:, None], x_TH, 0)  # same shapes: padded rows zero
         if self.training and self.jitter_noise > 0:
-            x_TH = x_TH * self._jitter(x_TH, draw_id)
+            x_TH = x_TH * jitter_factors(x_TH, self.jitter_noise, self._generator(draw_id, x_TH.device, shared=False))
         positions_T, shuffle_state, z_weight_T = tokens.positions_T, None, None
         if self.shuffle is not None:
             # The permutation is drawn on the CPU, so its split sizes need no device sync.
@@ -215,17 +213,10 @@ class MoELayer(nn.Module):
             x_TH, shuffle_state, positions_T = self.shuffle.shuffle(x_TH, generator, tokens.group_tokens, positions_T)
             z_weight_T = origin_weights(shuffle_state["source_T"], tokens.group_tokens, x_TH.device)
 
-        expert_ids_TK, weights_TK, stats = self._route(self.gate, x_TH, self.check_finite, tokens.valid_T, z_weight_T)
-        if self.router_logits.active():
-            self._emit_router_logits(stats.logits_TE, tokens, shuffle_state, shape)
-        graphs = self._graphs()
-        if graphs is not None and tokens.valid_T is None and graphs.applies(x_TH, expert_ids_TK, weights_TK):
-            out_TH, tokens_per_expert_E = graphs(x_TH, expert_ids_TK, weights_TK)
-            shared_TH, kept_E = self._shared(x_TH), tokens_per_expert_E
-        else:
-            out_TH, shared_TH, tokens_per_expert_E, kept_E = self._dispatch_and_combine(
-                x_TH, expert_ids_TK, weights_TK, draw_id, tokens._replace(positions_T=positions_T)
-            )
+        tokens = tokens._replace(positions_T=positions_T)
+        out_TH, shared_TH, stats, tokens_per_expert_E, kept_E = self._route_and_run(
+            x_TH, tokens, z_weight_T, draw_id, shuffle_state, shape
+        )
         if shared_TH is not None:
             out_TH = out_TH + shared_TH
 
@@ -239,6 +230,42 @@ class MoELayer(nn.Module):
         if tokens.real_N is not None:  # back to [T, H], zeros at padded positions
             out_TH = out_TH.new_zeros((hidden_BSH.numel() // shape[-1], shape[-1])).index_copy(0, tokens.real_N, out_TH)
         return out_TH.to(hidden_BSH.dtype).reshape(shape)
+
+    def _route_and_run(
+        self,
+        x_TH: torch.Tensor,
+        tokens: LayerTokens,
+        z_weight_T: torch.Tensor | None,
+        draw_id: int,
+        shuffle_state: dict | None,
+        shape: torch.Size,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, RouterStats, torch.Tensor, torch.Tensor]:
+        """Route and run the experts: the routed output, the shared experts' (or ``None``), the routing's
+        statistics, the tokens per expert and the pairs each expert kept. With CUDA graphs the routing
+        is replayed with the rest where ``_graphs_take_routing``; otherwise the graphs start at the
+        dispatch."""
+        graphs = self._graphs()
+        routed = graphs is not None and self._graphs_take_routing(tokens, z_weight_T)
+        if graphs is not None and routed and graphs.applies_routed(x_TH, self.gate, self.check_finite):
+            out_TH, counts_E, losses = graphs.routed(x_TH, self.gate, self._route, self.check_finite)
+            return out_TH, self._shared(x_TH), RouterStats(*losses, out_TH[:0]), counts_E, counts_E
+        expert_ids_TK, weights_TK, stats = self._route(self.gate, x_TH, self.check_finite, tokens.valid_T, z_weight_T)
+        if self.router_logits.active():
+            self._emit_router_logits(stats.logits_TE, tokens, shuffle_state, shape)
+        if graphs is not None and not routed and tokens.valid_T is None:
+            if graphs.applies(x_TH, expert_ids_TK, weights_TK):
+                out_TH, counts_E = graphs(x_TH, expert_ids_TK, weights_TK)
+                return out_TH, self._shared(x_TH), stats, counts_E, counts_E
+        out_TH, shared_TH, counts_E, kept_E = self._dispatch_and_combine(
+            x_TH, expert_ids_TK, weights_TK, draw_id, tokens
+        )
+        return out_TH, shared_TH, stats, counts_E, kept_E
+
+    def _graphs_take_routing(self, tokens: LayerTokens, z_weight_T: torch.Tensor | None) -> bool:
+        """Whether the CUDA graphs replay the routing too: at degree 1 (the local dispatch), every
+        token real, no token shuffle, no router logits recorded."""
+        plain = tokens.valid_T is None and z_weight_T is None and self.shuffle is None
+        return plain and isinstance(self.dispatcher, LocalDispatcher) and not self.router_logits.active()
 
     def _draw_id(self) -> int:
         """The id of this training forward's random draws (``rng.DrawCounter``), ``-1`` in eval.
@@ -329,9 +356,9 @@ class MoELayer(nn.Module):
     ) -> torch.Tensor:
         """Keep the router losses and the counts, attach the weighted losses. ``kept_E``: the pairs each
         expert kept (below ``tokens_per_expert_E`` under a capacity), what ``"balanced"`` counts."""
-        aux, zl = stats.aux_loss, stats.z_loss
+        aux, zl, weights = stats.aux_loss, stats.z_loss, self.config.loss_weights(self.loss_scale)
         if torch.compiler.is_exporting():  # an exported program keeps no module state
-            return attach_losses(out_TH, [aux, zl], self._loss_weights()) if self.training else out_TH
+            return attach_losses(out_TH, [aux, zl], weights) if self.training else out_TH
         self.aux_loss = aux.detach()
         self.z_loss = zl.detach()
         self.tokens_per_expert = tokens_per_expert_E.detach()
@@ -340,32 +367,15 @@ class MoELayer(nn.Module):
             self.gate.record_load(kept_E)
         if not self.training:
             return out_TH
-        return attach_losses(out_TH, [aux, zl], self._loss_weights())
-
-    def _loss_weights(self) -> list[float]:
-        """The weights of ``[aux_loss, z_loss]`` in the gradients (0 for a loss that is off)."""
-        aux_weight = self.config.moe_aux_loss_coeff * self.loss_scale if self.config.aux_loss_active else 0.0
-        z_weight = self.config.moe_z_loss_coeff * self.loss_scale if self.config.z_loss_active else 0.0
-        return [aux_weight, z_weight]
+        return attach_losses(out_TH, [aux, zl], weights)
 
     def _exchange_to_keep(self, draw_id: int) -> KeptExchange | None:
-        """With ``keep_all_to_all``: a new ``KeptExchange`` for a training forward, the one it
-        recorded for that forward's activation-checkpointing recomputation (inside backward)."""
+        """With ``keep_all_to_all``, a training forward's ``KeptExchange`` (``all_to_all.exchange_to_keep``)."""
         if not (self.keep_all_to_all and draw_id >= 0 and torch.is_grad_enabled()):
             return None
-        if isinstance(self.dispatcher, LocalDispatcher):
-            return None  # one process: nothing is exchanged
-        if not getattr(self.dispatcher, "keeps_exchanges", False):
-            raise ValueError(
-                f"MoELayer.keep_all_to_all needs the all-to-all dispatcher, got {type(self.dispatcher).__name__}; "
-                "set MoEConfig(moe_all_to_all_dispatcher=True, capacity_factor=None, symmetric_memory_dispatch=False) "
-                "or keep_all_to_all=False."
-            )
-        if in_backward():
-            return self._kept.recall(draw_id, None)
-        from lightning_ep.moe.dispatch.all_to_all import KeptExchange
+        from lightning_ep.moe.dispatch.all_to_all import exchange_to_keep
 
-        return self._kept.record(draw_id, KeptExchange())
+        return exchange_to_keep(self._kept, self.dispatcher, draw_id, in_backward())
 
     def _shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' output ``[T, H]`` (gated if there is a gate), or ``None``."""
@@ -379,18 +389,7 @@ class MoELayer(nn.Module):
         return y_TH
 
     def _generator(self, draw_id: int, device: torch.device, *, shared: bool) -> torch.Generator:
-        seed = self.config.random_seed + (0 if shared else self.ep_rank)
-        stream = _SHUFFLE_STREAM if shared else _JITTER_STREAM
-        return make_generator(seed, (draw_id * 1024 + self.layer_index) * 4 + stream, device)
-
-    def _jitter(self, x_TH: torch.Tensor, draw_id: int) -> torch.Tensor:
-        noise = torch.empty(x_TH.shape, dtype=torch.float32, device=x_TH.device)
-        noise.uniform_(
-            1.0 - self.jitter_noise,
-            1.0 + self.jitter_noise,
-            generator=self._generator(draw_id, x_TH.device, shared=False),
-        )
-        return noise.to(x_TH.dtype)
+        return layer_generator(self.config.random_seed, self.ep_rank, self.layer_index, draw_id, device, shared=shared)
 
     def extra_repr(self) -> str:
         return f"layer_index={self.layer_index}, dispatcher={type(self.dispatcher).__name__}"

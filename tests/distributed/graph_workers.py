@@ -85,6 +85,8 @@ def run_model_matches_eager(rank: int, world: int) -> None:
         _assert_equal(got, want, f"step {i} ({kind})")
         captured = all(layer._layer_graphs is not None and layer._layer_graphs.bwd is not None for layer in layers)
         assert captured == (i >= WARMUP), (i, captured)
+        if captured:  # at degree 1 the graphs hold the routing too (its router under FSDP2)
+            assert all((layer._layer_graphs._gate is not None) == (world == 1) for layer in layers), i  # type: ignore[union-attr]
         # A layer's forward still pending after its step would leave the next one eager.
         assert not any(layer._layer_graphs.pending for layer in layers), i  # type: ignore[union-attr]
 
@@ -115,25 +117,34 @@ def _assert_grads_in_graph_buffers(layers: list[MoELayer]) -> None:
     for layer in layers:
         graphs = layer._layer_graphs
         assert graphs is not None
-        for p, buffer in zip(graphs._weights(), graphs._grads[3:], strict=True):
+        for p, buffer in zip(graphs._weights(), graphs._grads[len(graphs._writable) :], strict=True):
             assert buffer is not None and p.grad is not None
             assert local_tensor(p.grad).data_ptr() == buffer.data_ptr(), layer.layer_index
 
 
-def _layer(budget: int, graphs: bool, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> MoELayer:
+def _layer(
+    budget: int, graphs: bool, device: torch.device, dtype: torch.dtype = torch.bfloat16, balancing: str = "none"
+) -> MoELayer:
     g = torch.Generator().manual_seed(0)
     H, I, E, K = 128, 64, 8, 2  # noqa: E741
-    gate = TopKRouter(nn.Parameter(torch.randn(E, H, generator=g) * H**-0.5), top_k=K, mode="none")
+    gate = TopKRouter(nn.Parameter(torch.randn(E, H, generator=g) * H**-0.5), top_k=K, mode=balancing)  # type: ignore[arg-type]
     w1 = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) * 0.1)
     w2 = nn.Parameter(torch.randn(E, H, I, generator=g) * 0.1)
-    layer = MoELayer(gate, GroupedExperts(w1, w2, F.silu), _config(budget, graphs))
+    layer = MoELayer(gate, GroupedExperts(w1, w2, F.silu), _config(budget, graphs, balancing))
     return layer.to(device=device, dtype=dtype).train()
 
 
 def run_layer_replays_without_syncs(rank: int, world: int) -> None:
     """One layer: after its capture a forward + backward makes no host sync, and its output, input
-    gradient, weight gradients and tokens per expert equal the eager layer's; a gradient of the
-    graph's weights left in ``.grad`` from an earlier backward is accumulated into, not overwritten."""
+    gradient, weight gradients (the router's too), losses, non-finite flag and tokens per expert
+    equal the eager layer's; a gradient of the graph's weights left in ``.grad`` from an earlier
+    backward is accumulated into, not overwritten. At degree 1 the graphs hold the routing (the
+    Sinkhorn kernel's cooperative launch included), above it they start at the dispatch."""
+    for balancing, check_finite in (("none", False), ("sinkhorn", True), ("aux_loss", False)):
+        _layer_replays_without_syncs(rank, world, balancing, check_finite)
+
+
+def _layer_replays_without_syncs(rank: int, world: int, balancing: str, check_finite: bool) -> None:
     import lightning_ep
     from lightning_ep.parallel.expert import parallelize_moe_layers
 
@@ -142,8 +153,9 @@ def run_layer_replays_without_syncs(rank: int, world: int) -> None:
     T = 256
     layers = []
     for graphs in (False, True):
-        layer = _layer(2 * world * T, graphs, device)
+        layer = _layer(2 * world * T, graphs, device, balancing=balancing)
         parallelize_moe_layers(nn.ModuleDict({"moe": layer}), mesh)
+        layer.check_finite = check_finite
         layers.append(layer)
     g = torch.Generator(device=device).manual_seed(rank)
 
@@ -161,13 +173,15 @@ def run_layer_replays_without_syncs(rank: int, world: int) -> None:
             out = fwd_bwd(layer, xi, grad)
             if i == WARMUP + 1:  # accumulate a second backward into the same .grad
                 out = fwd_bwd(layer, xi, grad)
-            results.append([out.detach(), xi.grad, layer.tokens_per_expert, *_local_grads(layer)])
+            stats = [layer.tokens_per_expert, layer.aux_loss, layer.z_loss, layer.router_entropy, layer.nonfinite]
+            results.append([out.detach(), xi.grad, *stats, *_local_grads(layer)])
             layer.zero_grad(set_to_none=True)
-        _assert_equal(results[1], results[0], f"call {i}")
+        _assert_equal(results[1], results[0], f"{balancing}, call {i}")
 
     x = torch.randn(T, 128, generator=g, device=device).to(torch.bfloat16).requires_grad_(True)
     graphed = layers[1]
     assert graphed._layer_graphs is not None and graphed._layer_graphs.bwd is not None
+    assert (graphed._layer_graphs._gate is not None) == (world == 1), balancing  # the routing captured
     syncs = count_syncs(lambda: fwd_bwd(graphed, x, torch.ones_like(x)))
     assert syncs == 0, syncs
     graphed.release_graphs()

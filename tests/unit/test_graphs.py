@@ -76,3 +76,40 @@ def test_on_the_cpu_the_layer_runs_eagerly_with_the_same_numbers() -> None:
     assert graphed._layer_graphs is not None and graphed._layer_graphs.fwd is None
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_routing_run_on_a_graphs_buffers_equals_the_routing_on_the_router() -> None:
+    """What ``LayerGraphs`` captures with the routing, run here without a graph: ``route`` on copies
+    of the router's tensors (``swapped`` in for its own, then restored) gives the same choices, losses
+    and gradients as on the router itself; ``backward_of`` takes the output's and the losses'
+    gradients; the key tells modes, checks and gradient needs apart."""
+    from lightning_ep.moe.graph_inputs import backward_of, gate_tensors, routed_key, static_copy, swapped
+    from lightning_ep.moe.routing.route import route
+
+    g = torch.Generator().manual_seed(0)
+    gate = TopKRouter(nn.Parameter(torch.randn(8, 16, generator=g)), top_k=2, mode="balanced").train()
+    gate.expert_bias.copy_(torch.randn(8, generator=g) * 0.1)
+    x = torch.randn(32, 16, generator=g, requires_grad=True)
+    ids, weights, stats = route(gate, x, True)
+    want = torch.autograd.grad([weights.sum(), stats.aux_loss, stats.z_loss], [x, gate.weight])
+
+    names = [name for name, _ in gate_tensors(gate)]
+    assert names == ["weight", "expert_bias", "pending_load"]
+    static = [static_copy(t) for _, t in gate_tensors(gate)]
+    assert isinstance(static[0], nn.Parameter) and static[0].requires_grad and not static[1].requires_grad
+    x_static = static_copy(x)
+    with swapped(gate, dict(zip(names, static, strict=True))):
+        got_ids, got_weights, got = route(gate, x_static, True)
+    assert gate.weight is not static[0] and gate.expert_bias is not static[1]  # restored
+    outputs = (got_weights.sum(), got_ids, None, got.aux_loss, got.z_loss, got.entropy, got.logits_finite)
+    grads = backward_of(outputs, [x_static, *static])
+    assert torch.equal(got_ids, ids) and torch.equal(got_weights, weights)
+    for a, b in ((got.aux_loss, stats.aux_loss), (got.z_loss, stats.z_loss), (got.entropy, stats.entropy)):
+        assert torch.equal(a, b)
+    assert grads[2] is None and grads[3] is None  # buffers: no gradient
+    assert torch.equal(grads[0], want[0]) and torch.equal(grads[1], want[1])
+
+    key = routed_key(x, gate, True, [])
+    assert key == routed_key(x, gate, True, [])
+    assert key != routed_key(x, gate, False, []) and key != routed_key(x.detach(), gate, True, [])
+    assert key != routed_key(x, gate.eval(), True, [])

@@ -99,7 +99,8 @@ MOE_ALLOWED: dict[str, set[str]] = {
     "routing": {"kernels"},
     "dispatch": {"kernels"},
     "experts": {"kernels", "dispatch"},
-    "graphs": {"kernels", "dispatch", "experts"},
+    "graph_inputs": set(),
+    "graphs": {"kernels", "dispatch", "experts", "graph_inputs"},
     "tokens": set(),
     "layer": {"kernels", "routing", "dispatch", "experts", "graphs", "tokens"},
 }

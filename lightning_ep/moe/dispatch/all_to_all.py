@@ -9,11 +9,14 @@ The process group is the expert-parallel group, passed in by the caller.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from lightning_ep.moe.dispatch.base import (
     Dispatched,
+    LocalDispatcher,
     count_ids,
     expert_counts,
     gather_rows,
@@ -229,6 +232,21 @@ class KeptExchange:
     @property
     def complete(self) -> bool:
         return self.plan is not None and self.received is not None and self.combined is not None
+
+
+def exchange_to_keep(records: Any, dispatcher: Any, draw_id: int, backward: bool) -> KeptExchange | None:
+    """For ``MoELayer.keep_all_to_all``: a new ``KeptExchange`` recorded in ``records`` (a layer's
+    ``ForwardRecords``) for training forward ``draw_id``, or inside backward (``backward``) the one that
+    forward recorded, for its activation-checkpointing recomputation; ``None`` on one process."""
+    if isinstance(dispatcher, LocalDispatcher):
+        return None  # one process: nothing is exchanged
+    if not getattr(dispatcher, "keeps_exchanges", False):
+        raise ValueError(
+            f"MoELayer.keep_all_to_all needs the all-to-all dispatcher, got {type(dispatcher).__name__}; "
+            "set MoEConfig(moe_all_to_all_dispatcher=True, capacity_factor=None, symmetric_memory_dispatch=False) "
+            "or keep_all_to_all=False."
+        )
+    return records.recall(draw_id, None) if backward else records.record(draw_id, KeptExchange())
 
 
 def _check_budget(load_D: list[int], budget: int) -> None:

@@ -51,6 +51,26 @@ def make_generator(seed: int, stream: int, device: torch.device) -> torch.Genera
     return generator
 
 
+_JITTER_STREAM = 0
+_SHUFFLE_STREAM = 1
+
+
+def layer_generator(
+    seed: int, ep_rank: int, layer_index: int, draw_id: int, device: torch.device, *, shared: bool
+) -> torch.Generator:
+    """The generator of one MoE layer's draw ``draw_id``: the token shuffle's (``shared``: the same on
+    every rank of the expert-parallel group) or the router jitter's (one stream per rank)."""
+    stream = _SHUFFLE_STREAM if shared else _JITTER_STREAM
+    return make_generator(seed + (0 if shared else ep_rank), (draw_id * 1024 + layer_index) * 4 + stream, device)
+
+
+def jitter_factors(x_TH: torch.Tensor, noise: float, generator: torch.Generator) -> torch.Tensor:
+    """Multiplicative router jitter for ``x_TH``: ``U(1 - noise, 1 + noise)``, drawn in fp32, in ``x_TH``'s dtype."""
+    factors = torch.empty(x_TH.shape, dtype=torch.float32, device=x_TH.device)
+    factors.uniform_(1.0 - noise, 1.0 + noise, generator=generator)
+    return factors.to(x_TH.dtype)
+
+
 V = TypeVar("V")
 
 
