@@ -2,8 +2,9 @@
 graph reads, the router's tensors swapped for them while the routing is captured, the outputs whose
 gradients its backward takes, and what must match for a call to replay a graph.
 
-A graph's outputs: ``out_TH``, ``counts_E``, ``loads_D`` and, with the routing captured (``routed``),
-``aux_loss``, ``z_loss``, ``entropy``, ``logits_finite``.
+A graph's outputs: ``out_TH``, ``counts_E`` and, with the routing captured (``routed``),
+``aux_loss``, ``z_loss``, ``entropy``, ``logits_finite``; the gradients of ``out_TH`` and of the
+two losses (positions 0, 2 and 3) flow back.
 """
 
 from __future__ import annotations
@@ -45,11 +46,10 @@ def static_copy(t: torch.Tensor) -> torch.Tensor:
     return copy.data.requires_grad_(t.requires_grad)
 
 
-def with_grad(outputs: Sequence[torch.Tensor | None]) -> list[int]:
+def with_grad(outputs: Sequence[torch.Tensor]) -> list[int]:
     """The positions in a graph's outputs whose gradients its backward takes: the layer output's,
     then (routed) the load-balancing and z-losses', those that have one."""
-    present = [(i, outputs[i]) for i in (0, 3, 4) if i < len(outputs)]
-    return [i for i, t in present if t is not None and t.requires_grad]
+    return [i for i in (0, 2, 3) if i < len(outputs) and outputs[i].requires_grad]
 
 
 def backward_of(

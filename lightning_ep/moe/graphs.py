@@ -96,8 +96,9 @@ class LayerGraphs:
         # x_TH, ids_TK, weights_TK (routed: x_TH, the router's tensors), then the weights' local shards
         self._static: list[torch.Tensor] = []
         self._writable: list[torch.Tensor] = []  # those before the weights, written before each replay
-        # out_TH, counts_E, loads_D (routed: then aux_loss, z_loss, entropy, logits_finite)
+        # out_TH, counts_E (routed: then aux_loss, z_loss, entropy, logits_finite); the loads apart
         self._outputs: tuple[torch.Tensor, ...] = ()
+        self._loads: torch.Tensor | None = None  # the symmetric-memory dispatch's received rows per rank
         self._grad_outs: list[torch.Tensor] = []  # the output's gradient (routed: then the losses')
         self._grads: list[torch.Tensor | None] = []
         self._gate: nn.Module | None = None  # the router, when the routing is captured
@@ -145,7 +146,7 @@ class LayerGraphs:
             self._capture_forward(x_TH, expert_ids_TK, weights_TK, weights)
         out_TH, counts_E = _Replay.apply(self, x_TH, expert_ids_TK, weights_TK, *weights)[:2]
         if budget is not None:
-            budget.note(self._outputs[2])
+            budget.note(self._loads)
         return out_TH, counts_E
 
     def routed(
@@ -165,7 +166,7 @@ class LayerGraphs:
     # ------------------------------------------------------------------------ replay
 
     def replay_forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The outputs after ``_outputs``' loads (``loads_D``), cloned out of the graph's buffers."""
+        """The graph's outputs (``_outputs``), cloned out of its buffers."""
         written = len(self._writable)
         self._check_weights(inputs[written:])
         replayed = LayerGraphs._replayed_backward.pop(self.device, None)
@@ -177,7 +178,7 @@ class LayerGraphs:
                 static.copy_(value)
         assert self.fwd is not None
         self.fwd.replay()
-        return tuple(t.clone() for i, t in enumerate(self._outputs) if i != 2)
+        return tuple(t.clone() for t in self._outputs)
 
     def replay_backward(self, grads_in: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """``grads_in``: the gradients of the output (and of the losses), ``None`` for zero."""
@@ -225,6 +226,7 @@ class LayerGraphs:
         self.fwd = self.bwd = self._layer_pools = None
         self._static, self._writable, self._outputs, self._grads, self._grad_outs = [], [], (), [], []
         self._key, self._token, self.calls, self._gate, self._gate_names = None, None, 0, None, []
+        self._loads = None
         for registry in (LayerGraphs._replayed_backward, LayerGraphs._earlier_pass):
             if self.device in registry:
                 registry[self.device].pop(id(self), None)
@@ -261,27 +263,29 @@ class LayerGraphs:
         self._key = plain_key(x_TH, ids_TK, weights_TK, self._weights())
         self._set_static([x_TH, ids_TK, weights_TK], weights)
         with torch.enable_grad(), self._capturing(self.fwd, self._layer_pools[0]):  # type: ignore[index]
-            self._outputs = self._core(self._static[0], self._static[1], self._static[2], self._static[3:])
+            x, ids, w = self._static[:3]
+            out_TH, counts_E, self._loads = self._core(x, ids, w, self._static[3:])
+        self._outputs = (out_TH, counts_E)
         self._takes = with_grad(self._outputs)
 
     def _capture_routed(self, x_TH: torch.Tensor, gate: nn.Module, route: Any, check_finite: bool) -> None:
         self._check_grouped(x_TH)
         self._key = routed_key(x_TH, gate, check_finite, self._weights())
         self._gate = gate
-        self._gate_names = [name for name, _ in gate_tensors(gate)]
-        weights = [local_tensor(p) for p in self._weights()]
-        self._set_static([x_TH, *(t for _, t in gate_tensors(gate))], weights)
+        named = gate_tensors(gate)
+        self._gate_names = [name for name, _ in named]
+        self._set_static([x_TH, *(t for _, t in named)], [local_tensor(p) for p in self._weights()])
         gate_static = self._static[1 : len(self._writable)]
 
         def routed() -> tuple[torch.Tensor, ...]:
             with swapped(gate, dict(zip(self._gate_names, gate_static, strict=True))):
                 ids_TK, weights_TK, stats = route(gate, self._static[0], check_finite, None, None)
             weights = self._static[len(self._writable) :]
-            out_TH, counts_E, loads_D = self._core(self._static[0], ids_TK, weights_TK, weights)
+            out_TH, counts_E, _ = self._core(self._static[0], ids_TK, weights_TK, weights)  # no loads at degree 1
             finite = stats.logits_finite
             if finite is None:
                 finite = torch.ones((), dtype=torch.bool, device=out_TH.device)
-            return out_TH, counts_E, loads_D, stats.aux_loss, stats.z_loss, stats.entropy, finite
+            return out_TH, counts_E, stats.aux_loss, stats.z_loss, stats.entropy, finite
 
         # One forward and backward before the capture, on the capture's stream and inputs: a
         # compilation or lazy initialisation they trigger happens here, not inside the capture.
@@ -341,7 +345,7 @@ class LayerGraphs:
         with self._capturing(self.bwd, self._layer_pools[1]):
             self._grads = backward_of(self._outputs, self._static, self._grad_outs)
         # Frees the capture's autograd graph.
-        self._outputs = tuple(t.detach() if t is not None else t for t in self._outputs)
+        self._outputs = tuple(t.detach() for t in self._outputs)
 
     def _shared_pools(self) -> tuple[Any, Any]:
         """The device's forward and backward pools while another layer's graphs live in them, else
@@ -382,8 +386,6 @@ class _Replay(torch.autograd.Function):
         ctx.graphs, ctx.token = graphs, _Pending()
         graphs._token = weakref.ref(ctx.token)
         ctx.mark_non_differentiable(*(t for i, t in enumerate(outputs) if i not in (0, 2, 3)))
-        # Positions in ``outputs`` (``_outputs`` without its loads) of the gradients the backward graph takes.
-        ctx.takes = [i if i < 2 else i - 1 for i in graphs._takes]
         return outputs
 
     @staticmethod
@@ -394,4 +396,4 @@ class _Replay(torch.autograd.Function):
                 "replay the backward graph, whose buffers the first backward reused; set cuda_graphs=False."
             )
         ctx.token.done = True
-        return (None, *ctx.graphs.replay_backward([grads[i] for i in ctx.takes]))
+        return (None, *ctx.graphs.replay_backward([grads[i] for i in ctx.graphs._takes]))

@@ -101,7 +101,7 @@ def test_the_routing_run_on_a_graphs_buffers_equals_the_routing_on_the_router() 
     with swapped(gate, dict(zip(names, static, strict=True))):
         got_ids, got_weights, got = route(gate, x_static, True)
     assert gate.weight is not static[0] and gate.expert_bias is not static[1]  # restored
-    outputs = (got_weights.sum(), got_ids, None, got.aux_loss, got.z_loss, got.entropy, got.logits_finite)
+    outputs = (got_weights.sum(), got_ids, got.aux_loss, got.z_loss, got.entropy, got.logits_finite)
     grads = backward_of(outputs, [x_static, *static])
     assert torch.equal(got_ids, ids) and torch.equal(got_weights, weights)
     for a, b in ((got.aux_loss, stats.aux_loss), (got.z_loss, stats.z_loss), (got.entropy, stats.entropy)):
