@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lightning_ep import step_checks
+from lightning_ep.models import causal_mask
 from lightning_ep.moe import GroupedExperts, MoELayer
 from lightning_ep.moe.dispatch import all_to_all as dispatch_ep
 from lightning_ep.moe.dispatch import base as dispatch
@@ -44,6 +45,7 @@ VARIANTS = (
     "torch-cast",
     "device-logging",
     "unrouted-graphs",
+    "hf-mask",
 )
 
 _SWIGLU, _SWIGLU_BACKWARD = swiglu.swiglu, swiglu.swiglu_backward
@@ -166,7 +168,10 @@ def variant(name: str) -> Iterator[None]:
       the progress bar at every batch end (the non-finite flags still read from their host copy),
       not as the CPU tensors copied after each forward (``lightning_ep.step_checks``);
     - ``unrouted-graphs``: the CUDA graphs start at the dispatch at degree 1 too, the routing run
-      before them by the host (``MoELayer._graphs_take_routing``).
+      before them by the host (``MoELayer._graphs_take_routing``);
+    - ``hf-mask``: every forward builds its attention mask through Hugging Face's
+      ``create_causal_mask`` (one host sync per forward), not only those whose mask is not known on
+      the host (``lightning_ep.models.causal_mask``).
     """
     patches: dict[str, Any] = {}
     if name in ("unfused-swiglu", "reference"):
@@ -210,6 +215,8 @@ def variant(name: str) -> Iterator[None]:
         patches |= {"_queue_to_host": _queue_keeping_device, "before_optimizer_step": _log_device_tensors}
     if name == "unrouted-graphs":
         patches |= {"_graphs_take_routing": lambda self, tokens, z_weight_T: False}
+    if name in ("hf-mask", "reference"):
+        patches |= {"mask_is_known": lambda config, args, kwargs: False}
     modules = (
         combine,
         router,
@@ -226,6 +233,7 @@ def variant(name: str) -> Iterator[None]:
         step_checks,
         step_checks.StepChecks,
         MoELayer,
+        causal_mask,
     )
     saved = [(m, k, getattr(m, k)) for m in modules for k in patches if k in vars(m)]
     for module, key, _ in saved:

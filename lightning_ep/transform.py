@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_ep.models.causal_mask import skip_causal_mask
 from lightning_ep.models.hf_compat import keep_hf_behaviour, refuse_transformers_expert_parallelism
 from lightning_ep.models.padding import watch_padding
 from lightning_ep.models.peft_lora import check_peft_model, check_router, peel_expert_adapters
@@ -73,6 +74,7 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
             replace_module(model, name, layer)
         keep_hf_behaviour(model)
     watch_padding(model)
+    skip_causal_mask(model)
     if mesh is not None:
         from lightning_ep.parallel.expert import parallelize_moe_layers
 
