@@ -11,17 +11,22 @@ For a call with no ``attention_mask``, no ``position_ids`` and no cache, the ans
 the call. The model numbers each row's positions ``0 .. S-1`` itself (one sequence per row, nothing
 packed) and pads nothing, so under SDPA every layer gets no mask and SDPA runs with
 ``is_causal=True``. That holds for sliding-window layers too, while ``S`` is shorter than the
-window. For such calls, a forward pre-hook on the model switches its config's attention
-implementation to ``"lightning_ep_sdpa"``, and a forward hook switches it back. That name calls the
-SDPA function registered as ``"sdpa"``, but it has no mask function, so ``create_causal_mask``
-returns no mask at once. The kernels and the numbers stay the same, without the sync. Every other
+window. For such calls, a forward pre-hook on the model gives it, for the call, a
+shallow copy of its config whose attention implementation is ``"lightning_ep_sdpa"``, and a forward
+hook puts the config back. That name calls the SDPA function registered as ``"sdpa"``, but it has no
+mask function, so ``create_causal_mask`` (which reads the model's config) returns no mask at once.
+The decoder layers keep the config object they hold, so their attention still reads ``"sdpa"``, in
+the forward and in an activation-checkpointed recompute alike, and a compiled attention keeps its
+graph. The kernels and the numbers stay the same, without the sync; the cost is one shallow copy of
+the config per call. Every other
 call runs Hugging Face's mask creation as before: one with a mask, positions or a cache, with an
-argument outside ``_NEUTRAL``, with another attention implementation or chunked attention, with a
-sequence as long as the sliding window, or one traced by ``torch.compile``.
+argument outside ``_NEUTRAL``, with another attention implementation, chunked attention or
+sub-configs, with a sequence as long as the sliding window, or one traced by ``torch.compile``.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -42,7 +47,7 @@ _NEUTRAL = frozenset(
         "return_dict",
     }
 )
-_SWITCHED = "_lightning_ep_switched_attention"  # the implementation to restore, while a call runs switched
+_SWITCHED = "_lightning_ep_config_to_restore"  # the model's own config, while a call runs on the copy
 _HOOKED = "_lightning_ep_skips_causal_mask"
 
 
@@ -67,6 +72,8 @@ def mask_is_known(config: Any, args: tuple, kwargs: dict) -> bool:
     arguments and the config alone (see the module docstring)."""
     if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "attention_chunk_size", None):
         return False
+    if getattr(config, "sub_configs", None):  # the implementation's setter would reach shared sub-configs
+        return False
     layer_types = set(getattr(config, "layer_types", None) or ())
     if not layer_types <= {"full_attention", "sliding_attention"} or len(args) > 1:
         return False
@@ -89,15 +96,16 @@ def _switch(module: nn.Module, args: tuple, kwargs: dict) -> None:
         return
     config: Any = module.config
     if mask_is_known(config, args, kwargs):
-        setattr(module, _SWITCHED, config._attn_implementation)
-        config._attn_implementation = NAME
+        switched = copy.copy(config)
+        switched._attn_implementation = NAME
+        setattr(module, _SWITCHED, config)
+        module.config = switched
 
 
 def _switch_back(module: nn.Module, _args: tuple, _kwargs: dict, _output: Any) -> None:
-    previous = getattr(module, _SWITCHED, None)
-    if previous is not None:
-        config: Any = module.config
-        config._attn_implementation = previous
+    config = getattr(module, _SWITCHED, None)
+    if config is not None:
+        module.config = config
         setattr(module, _SWITCHED, None)
 
 

@@ -2,7 +2,8 @@
 sync), with the same numbers; every other call builds its mask as before.
 
 Which path a call took is read inside it: a forward pre-hook on the first attention module records
-the config's attention implementation (``"lightning_ep_sdpa"`` when the mask creation was skipped).
+the attention implementation of the config the model's forward runs on (``"lightning_ep_sdpa"`` when
+the mask creation was skipped) and that of the attention's own config (always the model's own).
 Hugging Face's own path is the same model with ``causal_mask.mask_is_known`` patched to refuse
 every call. Losses and gradients are compared bit for bit: both paths call the same SDPA kernel
 with the same arguments.
@@ -38,13 +39,21 @@ def _attention(model: nn.Module) -> nn.Module:
 
 
 def _implementations_seen(model: nn.Module, call: Any) -> list[str]:
-    """The attention implementation the first attention module saw during ``call()``."""
-    seen: list[str] = []
-    handle = _attention(model).register_forward_pre_hook(lambda m, _a: seen.append(m.config._attn_implementation))
+    """The attention implementation of the config that ``model.base_model``'s forward ran on when it
+    reached the first attention module during ``call()``; that module's own config reads the model's."""
+    base, seen = model.base_model, []
+    own = base.config._attn_implementation
+
+    def record(attention: nn.Module, _args: tuple) -> None:
+        assert attention.config._attn_implementation == own
+        seen.append(base.config._attn_implementation)
+
+    handle = _attention(model).register_forward_pre_hook(record)
     try:
         call()
     finally:
         handle.remove()
+    assert base.config._attn_implementation == own  # the model's own config is back after the call
     return seen
 
 
@@ -80,9 +89,9 @@ def test_a_call_without_mask_positions_or_cache_skips_the_mask_with_the_same_num
     ids = _ids()
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
 
-    seen = _implementations_seen(model, lambda: _loss_and_grads(model, **inputs))
-    assert seen == [causal_mask.NAME]
-    assert model.config._attn_implementation == "sdpa"  # switched back after the call
+    config = model.base_model.config
+    assert _implementations_seen(model, lambda: _loss_and_grads(model, **inputs)) == [causal_mask.NAME]
+    assert model.base_model.config is config and config._attn_implementation == "sdpa"
     ours = _loss_and_grads(model, **inputs)
     with monkeypatch.context() as patch:
         _hf_path(patch)
@@ -150,11 +159,9 @@ def test_a_cache_another_argument_or_another_implementation_keeps_the_mask_creat
 def test_the_mask_creation_runs_as_before_under_torch_compile() -> None:
     model = lightning_ep.transform(tiny_mixtral())
     ids = _ids()
-    seen: list[str] = []
-    attention = _attention(model)
-    attention.register_forward_pre_hook(lambda m, _a: seen.append(m.config._attn_implementation))
+    assert _implementations_seen(model, lambda: model(input_ids=ids, use_cache=False)) == [causal_mask.NAME]
     eager = model(input_ids=ids, use_cache=False).logits
     compiled = torch.compile(model, backend="eager")(input_ids=ids, use_cache=False).logits
-    assert seen[0] == causal_mask.NAME and model.config._attn_implementation == "sdpa"
+    assert model.base_model.config._attn_implementation == "sdpa"
     # Traced, Hugging Face builds an explicit causal mask: another SDPA kernel, the same attention.
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
