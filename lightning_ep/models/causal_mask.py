@@ -11,17 +11,19 @@ For a call with no ``attention_mask``, no ``position_ids`` and no cache, the ans
 the call. The model numbers each row's positions ``0 .. S-1`` itself (one sequence per row, nothing
 packed) and pads nothing, so under SDPA every layer gets no mask and SDPA runs with
 ``is_causal=True``. That holds for sliding-window layers too, while ``S`` is shorter than the
-window. For such calls, a forward pre-hook on the model gives it, for the call, a
-shallow copy of its config whose attention implementation is ``"lightning_ep_sdpa"``, and a forward
-hook puts the config back. That name calls the SDPA function registered as ``"sdpa"``, but it has no
-mask function, so ``create_causal_mask`` (which reads the model's config) returns no mask at once.
-The decoder layers keep the config object they hold, so their attention still reads ``"sdpa"``, in
-the forward and in an activation-checkpointed recompute alike, and a compiled attention keeps its
-graph. The kernels and the numbers stay the same, without the sync; the cost is one shallow copy of
-the config per call. Every other
-call runs Hugging Face's mask creation as before: one with a mask, positions or a cache, with an
-argument outside ``_NEUTRAL``, with another attention implementation, chunked attention or
-sub-configs, with a sequence as long as the sliding window, or one traced by ``torch.compile``.
+window. For such a call, a forward pre-hook hands the model a shallow copy of its config whose
+attention implementation is ``"lightning_ep_sdpa"``, and a forward hook gives the model its own
+config back. That name calls the SDPA function registered as ``"sdpa"`` but has no mask function,
+so ``create_causal_mask`` (which reads the model's config) returns no mask at once. The decoder
+layers keep the config object they hold: their attention still reads ``"sdpa"``, in the forward and
+in an activation-checkpointed recompute alike, and a compiled attention keeps its graph. The kernels
+and the numbers stay the same, without the sync; the cost is one shallow copy of the config per
+call.
+
+Every other call runs Hugging Face's mask creation as before: one with a mask, positions or a
+cache, with an argument outside ``_NEUTRAL``, with another attention implementation, chunked
+attention or sub-configs, with a sequence as long as the sliding window, or one traced by
+``torch.compile``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ _NEUTRAL = frozenset(
         "return_dict",
     }
 )
-_SWITCHED = "_lightning_ep_config_to_restore"  # the model's own config, while a call runs on the copy
+_OWN_CONFIG = "_lightning_ep_config_to_restore"  # the model's own config, while a call runs on the copy
 _HOOKED = "_lightning_ep_skips_causal_mask"
 
 
@@ -92,21 +94,21 @@ def mask_is_known(config: Any, args: tuple, kwargs: dict) -> bool:
 
 
 def _switch(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    if torch.compiler.is_compiling() or getattr(module, _SWITCHED, None) is not None:
+    if torch.compiler.is_compiling() or getattr(module, _OWN_CONFIG, None) is not None:
         return
     config: Any = module.config
     if mask_is_known(config, args, kwargs):
         switched = copy.copy(config)
         switched._attn_implementation = NAME
-        setattr(module, _SWITCHED, config)
+        setattr(module, _OWN_CONFIG, config)
         module.config = switched
 
 
 def _switch_back(module: nn.Module, _args: tuple, _kwargs: dict, _output: Any) -> None:
-    config = getattr(module, _SWITCHED, None)
+    config = getattr(module, _OWN_CONFIG, None)
     if config is not None:
         module.config = config
-        setattr(module, _SWITCHED, None)
+        setattr(module, _OWN_CONFIG, None)
 
 
 def _register() -> None:
