@@ -11,7 +11,7 @@ import torch
 
 from lightning_ep import step_checks
 from lightning_ep.models import causal_mask
-from lightning_ep.moe import GroupedExperts, MoELayer
+from lightning_ep.moe import GroupedExperts, MoELayer, RoutedExperts
 from lightning_ep.moe.dispatch import all_to_all as dispatch_ep
 from lightning_ep.moe.dispatch import base as dispatch
 from lightning_ep.moe.dispatch import combine, symm_pull
@@ -46,6 +46,7 @@ VARIANTS = (
     "device-logging",
     "unrouted-graphs",
     "hf-mask",
+    "grouped-backward",
 )
 
 _SWIGLU, _SWIGLU_BACKWARD = swiglu.swiglu, swiglu.swiglu_backward
@@ -90,6 +91,10 @@ def _swiglu_backward_every_row(
 
 def _torch_cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype)
+
+
+def _torch_widen(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return grad.to(dtype)
 
 
 def _copy_every_row(dst_MH: torch.Tensor, src_MH: torch.Tensor, src_M: torch.Tensor) -> None:
@@ -161,9 +166,8 @@ def variant(name: str) -> Iterator[None]:
       elements (the earlier symmetric-memory dispatch);
     - ``torch-sinkhorn``: Sinkhorn's iterations in torch (about a dozen launches each), not the fused
       kernels (one launch in all, ``lightning_ep.moe.kernels.sinkhorn``);
-    - ``torch-cast``: the experts' fp32 weights cast to bf16 by ``w.to`` under plain autograd, whose
-      backward widens the gradient with torch's copy loop, not the Triton kernel
-      (``lightning_ep.moe.kernels.cast``; bf16-mixed with the experts outside FSDP2);
+    - ``torch-cast``: the experts' fp32 weights' bf16 gradients widened by torch's copy loop, not the
+      Triton kernel (``lightning_ep.moe.kernels.cast``; bf16-mixed with the experts outside FSDP2);
     - ``device-logging``: the MoE losses logged as device tensors, which Lightning reads back for
       the progress bar at every batch end (the non-finite flags still read from their host copy),
       not as the CPU tensors copied after each forward (``lightning_ep.step_checks``);
@@ -171,7 +175,10 @@ def variant(name: str) -> Iterator[None]:
       before them by the host (``MoELayer._graphs_take_routing``);
     - ``hf-mask``: every forward builds its attention mask through Hugging Face's
       ``create_causal_mask`` (one host sync per forward), not only those whose mask is not known on
-      the host (``lightning_ep.models.causal_mask``).
+      the host (``lightning_ep.models.causal_mask``);
+    - ``grouped-backward``: the backward of a grouped forward runs the grouped GEMMs, widening fp32
+      masters' bf16 gradients, not one cuBLAS GEMM per large expert on the forward's counts copied
+      to the host, writing fp32 (``GroupedExperts.counts_for_backward``).
     """
     patches: dict[str, Any] = {}
     if name in ("unfused-swiglu", "reference"):
@@ -210,7 +217,9 @@ def variant(name: str) -> Iterator[None]:
     if name == "torch-sinkhorn":
         patches |= {"fused_sinkhorn_available": lambda logits: False}
     if name == "torch-cast":
-        patches |= {"cast_for_compute": _torch_cast}
+        patches |= {"cast_for_compute": _torch_cast, "widen": _torch_widen}
+    if name in ("grouped-backward", "reference"):
+        patches |= {"counts_for_backward": lambda self, x_NH, counts_L, w_first: None}
     if name == "device-logging":
         patches |= {"_queue_to_host": _queue_keeping_device, "before_optimizer_step": _log_device_tensors}
     if name == "unrouted-graphs":
@@ -228,6 +237,7 @@ def variant(name: str) -> Iterator[None]:
         swiglu,
         symm_pull,
         GroupedExperts,
+        RoutedExperts,
         fsdp,
         compiling,
         step_checks,

@@ -15,6 +15,11 @@ What each choice does:
   CUDA graphs (``lightning_ep.moe.graphs``), the same bits. Needs a static plan and experts whose
   weights stay in place (expert-parallel degree = world size), bf16 experts, no activation
   checkpointing, a dropless dispatch and, for LoRA on the experts, ranks that are multiples of 8.
+  Auto leaves it off for large experts (``LARGE_EXPERT_ELEMENTS``): their GEMMs keep the GPU busy,
+  so replaying saves no host time, and outside graphs their backward runs one cuBLAS GEMM per
+  expert on the forward's counts copied to the host meanwhile (``GroupedExperts``), faster than the
+  grouped GEMMs and, for fp32 master weights, with fp32 weight gradients from the GEMMs (no bf16
+  rounding, no widening pass).
 - ``exchange``: ``"collective"`` (the process group's all-to-all or all-gather: NCCL on GPUs, gloo
   on CPU) or ``"symmetric_memory"`` (each GPU pulls its rows from the
   others' memory over NVLink; one node only; the same bits).
@@ -47,6 +52,9 @@ Auto = Literal["auto"]
 Exchange = Literal["auto", "collective", "symmetric_memory"]
 EXCHANGES: tuple[str, ...] = get_args(Exchange)
 _SWITCHES = ("compile", "cuda_graphs", "token_dedup", "single_rank_fsdp", "fused_adamw")
+#: Elements of one routed expert's gate/up weight (``2I x H``) from which the experts count as large:
+#: Mixtral-8x7B's 117 M are, DeepSeek-V3's 29 M and the finer families' are not.
+LARGE_EXPERT_ELEMENTS = 2**25
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +65,8 @@ class Execution:
         compile: compile the dense parts, the routing and the loss. Auto: on CUDA with Triton.
         cuda_graphs: replay MoE layers as CUDA graphs. Auto: on CUDA with Triton where the plan is
             static without a row budget (one expert-parallel rank per world: degree = world size = 1),
-            bf16 precision, no activation checkpointing, a dropless dispatch.
+            bf16 precision, no activation checkpointing, a dropless dispatch, experts that are not
+            large (or carry LoRA adapters).
         exchange: how tokens cross ranks. Auto: ``"collective"``.
         token_dedup: deduplicate the dropless all-to-all. Auto: off.
         row_budget: static received rows per rank (an int, or ``"auto"`` for the padded all-to-all);
@@ -118,6 +127,7 @@ class Environment:
     lora_ranks: tuple[int, ...] = ()  # ranks of the LoRA adapters on the experts (PEFT's target_parameters)
     accumulate_grad_batches: int = 1
     reshard_after_forward: bool | None = None  # the strategy's argument; None: not given
+    expert_elements: int = 0  # one routed expert's gate/up weight (2I x H), the largest; 0: unknown
 
     @property
     def world_size(self) -> int:
@@ -184,46 +194,6 @@ class Resolved:
         lines = [f"lightning_ep execution ({self.environment.describe()}):"]
         lines += [f"  {c.name:<{width}}  {c.value:<{value_width}}  {c.reason}" for c in self.choices]
         return "\n".join(lines)
-
-
-def forced_by_moe_config(moe: MoEConfig) -> dict[str, bool | str]:
-    """The execution choices a ``MoEConfig`` sets away from its defaults (its low-level fields, as
-    ``transform`` takes them), as ``Execution`` would name them."""
-    forced: dict[str, bool | str] = {}
-    if moe.token_dedup:
-        forced["token_dedup"] = True
-    if moe.symmetric_memory_dispatch:
-        forced["exchange"] = "symmetric_memory"
-    if moe.cuda_graphs:
-        forced["cuda_graphs"] = True
-    return forced
-
-
-def merge(execution: Execution, moe: MoEConfig) -> Execution:
-    """``execution`` with the choices forced through ``moe``'s execution fields; a contradiction between
-    the two is refused, naming both."""
-    from dataclasses import replace
-
-    updates: dict[str, object] = {}
-    for name, value in forced_by_moe_config(moe).items():
-        mine = getattr(execution, name)
-        if mine not in ("auto", value):
-            raise ValueError(
-                f"ExpertParallelStrategy: MoEConfig sets {_moe_field(name)}={_moe_value(name, value)!r} but "
-                f"Execution({name}={mine!r}); set it in one place (Execution), not both."
-            )
-        updates[name] = value
-    if moe.max_tokens_per_rank is not None and moe.symmetric_memory_dispatch and execution.row_budget is None:
-        updates["row_budget"] = moe.max_tokens_per_rank
-    return replace(execution, **updates) if updates else execution  # type: ignore[arg-type]
-
-
-def _moe_field(name: str) -> str:
-    return {"exchange": "symmetric_memory_dispatch"}.get(name, name)
-
-
-def _moe_value(name: str, value: object) -> object:
-    return True if name == "exchange" else value
 
 
 def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
@@ -322,8 +292,14 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
     else:
         if graphs_blocker is None and symmetric:
             graphs_blocker = "a forced choice (symmetric-memory static plans are captured only when forced)"
-        graphs = graphs_blocker is None
-        rows.append(Choice("cuda_graphs", _on(graphs), "auto" if graphs else f"auto: off, needs {graphs_blocker}"))
+        graphs = graphs_blocker is None and not _large_experts(env)
+        reason = "auto" if graphs else f"auto: off, needs {graphs_blocker}"
+        if graphs_blocker is None and not graphs:
+            reason = (
+                f"auto: off for large experts ({env.expert_elements / 1e6:.0f} M elements in one's gate/up weight): "
+                "GPU-bound, and their backward runs cuBLAS per expert"
+            )
+        rows.append(Choice("cuda_graphs", _on(graphs), reason))
 
     single_rank = _single_rank_fsdp(execution.single_rank_fsdp, env, rows)
 
@@ -358,6 +334,12 @@ def _single_rank_fsdp(option: bool | Auto, env: Environment, rows: list[Choice])
     reason = f"one rank: gathered dense parameters kept, gradients reduced{reduce} (same bits)"
     rows.append(Choice("single_rank_fsdp", "on", "forced; " + reason if option is True else reason))
     return True
+
+
+def _large_experts(env: Environment) -> bool:
+    """Whether the experts are large enough that graphs gain nothing and the per-expert backward
+    gains (see the module docstring); LoRA experts keep their graphs (their GEMMs are grouped)."""
+    return env.expert_elements >= LARGE_EXPERT_ELEMENTS and not env.lora_ranks
 
 
 def _on(value: bool) -> str:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from lightning_ep.execution import Environment, Execution, Resolved, merge, resolve
+from lightning_ep.execution import Environment, Execution, Resolved, resolve
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.transform import moe_layers
 
@@ -54,7 +54,15 @@ def environment(strategy: ExpertParallelStrategy, hf_model: nn.Module | None = N
         lora_ranks=expert_lora_ranks(hf_model) if hf_model is not None else (),
         accumulate_grad_batches=_accumulation(strategy),
         reshard_after_forward=strategy.reshard_after_forward,
+        expert_elements=expert_elements(hf_model) if hf_model is not None else 0,
     )
+
+
+def expert_elements(model: nn.Module) -> int:
+    """Elements of one routed expert's gate/up weight (``[E, 2I, H]`` or GPT-OSS's ``[E, H, 2I]``), the
+    largest in ``model`` (meta tensors too); 0 without one."""
+    shapes = [p.shape for name, p in model.named_parameters() if name.endswith("gate_up_proj") and p.ndim == 3]
+    return max((shape[1] * shape[2] for shape in shapes), default=0)
 
 
 def _accumulation(strategy: ExpertParallelStrategy) -> int:
@@ -92,6 +100,44 @@ def expert_lora_ranks(model: nn.Module) -> tuple[int, ...]:
         elif is_param_wrapper(module):
             ranks.update(int(r) for r in cast(dict[str, int], module.r).values())  # PEFT: {adapter name: rank}
     return tuple(sorted(ranks))
+
+
+def forced_by_moe_config(moe: MoEConfig) -> dict[str, bool | str]:
+    """The execution choices a ``MoEConfig`` sets away from its defaults (its low-level fields, as
+    ``transform`` takes them), as ``Execution`` would name them."""
+    forced: dict[str, bool | str] = {}
+    if moe.token_dedup:
+        forced["token_dedup"] = True
+    if moe.symmetric_memory_dispatch:
+        forced["exchange"] = "symmetric_memory"
+    if moe.cuda_graphs:
+        forced["cuda_graphs"] = True
+    return forced
+
+
+def merge(execution: Execution, moe: MoEConfig) -> Execution:
+    """``execution`` with the choices forced through ``moe``'s execution fields; a contradiction between
+    the two is refused, naming both."""
+    updates: dict[str, object] = {}
+    for name, value in forced_by_moe_config(moe).items():
+        mine = getattr(execution, name)
+        if mine not in ("auto", value):
+            raise ValueError(
+                f"ExpertParallelStrategy: MoEConfig sets {_moe_field(name)}={_moe_value(name, value)!r} but "
+                f"Execution({name}={mine!r}); set it in one place (Execution), not both."
+            )
+        updates[name] = value
+    if moe.max_tokens_per_rank is not None and moe.symmetric_memory_dispatch and execution.row_budget is None:
+        updates["row_budget"] = moe.max_tokens_per_rank
+    return replace(execution, **updates) if updates else execution  # type: ignore[arg-type]
+
+
+def _moe_field(name: str) -> str:
+    return {"exchange": "symmetric_memory_dispatch"}.get(name, name)
+
+
+def _moe_value(name: str, value: object) -> object:
+    return True if name == "exchange" else value
 
 
 def resolve_for(strategy: ExpertParallelStrategy, hf_model: nn.Module) -> Resolved:

@@ -100,6 +100,7 @@ class MoELayer(nn.Module):
         self.child_names = {**_ROLES, **(child_names or {})}
         self.add_module(self.child_names["gate"], gate)
         self.experts = experts
+        experts.host_counts_in_backward = not config.cuda_graphs  # graph replays cannot read the host
         for role, module in (("shared_experts", shared_experts), ("shared_experts_gate", shared_experts_gate)):
             if module is not None:
                 self.add_module(self.child_names[role], module)

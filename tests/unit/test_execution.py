@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_ep import Execution, MoEConfig
-from lightning_ep.execution import Environment, Resolved, merge, resolve
-from lightning_ep.execution_setup import step_fused_adamw_with_kernels, with_compile_layers
+from lightning_ep.execution import Environment, Resolved, resolve
+from lightning_ep.execution_setup import merge, step_fused_adamw_with_kernels, with_compile_layers
 
 
 def _env(**overrides: object) -> Environment:
@@ -257,3 +257,39 @@ def test_a_row_budget_pads_the_collective_exchange_and_is_refused_where_it_canno
         resolve(
             Execution(row_budget="auto"), _env(devices_per_node=2, degree=2, activation_checkpointing=True), MoEConfig()
         )
+
+
+def test_large_experts_keep_graphs_off_for_the_per_expert_backward() -> None:
+    """Mixtral-8x7B's experts (2 x 14336 x 4096 elements in one's gate/up weight) on one GPU: no CUDA
+    graphs by default, so the backward can run cuBLAS per expert; finer experts keep them, as do
+    LoRA experts and a forced choice."""
+    mixtral = 2 * 14336 * 4096
+    resolved = resolve(Execution(), _env(expert_elements=mixtral), MoEConfig())
+    assert not resolved.cuda_graphs and resolved.compile and resolved.fused_adamw
+    assert _rows(resolved)["cuda_graphs"] == (
+        "off",
+        "auto: off for large experts (117 M elements in one's gate/up weight): GPU-bound, and their backward runs "
+        "cuBLAS per expert",
+    )
+    assert not resolved.moe_config(MoEConfig()).cuda_graphs
+    deepseek_v3 = 2 * 2048 * 7168
+    assert resolve(Execution(), _env(expert_elements=deepseek_v3), MoEConfig()).cuda_graphs
+    assert resolve(Execution(), _env(expert_elements=mixtral, lora_ranks=(16,)), MoEConfig()).cuda_graphs
+    forced = resolve(Execution(cuda_graphs=True), _env(expert_elements=mixtral), MoEConfig())
+    assert forced.cuda_graphs and _rows(forced)["cuda_graphs"] == ("on", "forced")
+    # Where graphs cannot apply anyway, the table names that reason.
+    fp32 = resolve(Execution(), _env(expert_elements=mixtral, precision="32-true"), MoEConfig())
+    assert _rows(fp32)["cuda_graphs"] == ("off", "auto: off, needs bf16 experts (precision is 32-true)")
+
+
+def test_expert_elements_reads_the_model_on_the_meta_device() -> None:
+    from conftest import tiny_mixtral_config
+    from transformers import MixtralForCausalLM
+
+    from lightning_ep.execution_setup import expert_elements
+
+    config = tiny_mixtral_config(hidden_size=64, intermediate_size=48)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config)
+    assert expert_elements(model) == 2 * 48 * 64
+    assert expert_elements(torch.nn.Linear(4, 4)) == 0

@@ -10,15 +10,14 @@ weights are DTensors sharded on the expert dim; the local shard is what this mod
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_ep.moe.experts.grad_scale import with_grad_scale
 from lightning_ep.moe.experts.mlp import GROUPED_MM, grouped_mlp, grouped_mlp_forward
-from lightning_ep.moe.experts.segments import segment_linear
+from lightning_ep.moe.experts.segments import CountsOnHost, segment_linear
 from lightning_ep.moe.kernels.cast import cast_for_compute
 from lightning_ep.moe.kernels.swiglu import swiglu
 
@@ -35,53 +34,13 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
-def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x`` in forward; its gradient multiplied by ``scale`` in backward."""
-    return _ScaleGrad.apply(x, scale)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity in forward; multiplies the gradient by ``scale`` in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return grad * ctx.scale, None
-
-
-def with_grad_scale(
-    fn: Callable[..., torch.Tensor], x_NH: torch.Tensor, weights: list[torch.Tensor], scale: float
-) -> torch.Tensor:
-    """``fn(x_NH, *weights)``, with every weight's gradient multiplied by ``scale`` and ``x_NH``'s not.
-
-    Backward is linear in the incoming gradient, so multiplying the output's gradient by ``scale``
-    and the input's by ``1 / scale`` scales exactly the weights' gradients. That touches ``2 N H``
-    elements instead of the weights' ``L H I``-sized gradients, and is chosen when it is fewer
-    elements and ``scale`` is a power of two (so both multiplications are exact in any float
-    format); otherwise each weight's gradient is multiplied.
-    """
-    if scale == 1.0 or not torch.is_grad_enabled():
-        return fn(x_NH, *weights)
-    exact = math.frexp(scale)[0] == 0.5  # a power of two
-    if exact and 2 * x_NH.numel() < sum(w.numel() for w in weights):
-        y = fn(scale_grad(x_NH, 1.0 / scale), *weights)
-        if y.requires_grad:
-            # A hook, not scale_grad: the output stays a fresh tensor, not a view (FSDP2 warns
-            # about views returned by a module it wraps).
-            y.register_hook(lambda grad: grad * scale)
-        return y
-    return fn(x_NH, *(scale_grad(w, scale) for w in weights))
-
-
-def fold_grad_scale(x_NH: torch.Tensor, *weights: torch.Tensor) -> bool:
+def fold_grad_scale(x_NH: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether ``GroupedExperts`` runs its grouped GEMMs as one autograd function with the gradient
-    scale folded in (``grouped_mlp``): one dtype for rows and weights, and no autocast (whose casts
-    that function's backward would not replay)."""
-    return all(w.dtype == x_NH.dtype for w in weights) and not torch.is_autocast_enabled(x_NH.device.type)
+    scale folded in (``grouped_mlp``): rows in the GEMMs' ``dtype`` (the weights are cast to it inside),
+    and no autocast to another dtype (whose casts that function's backward would not replay)."""
+    device = x_NH.device.type
+    autocast_other = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != dtype
+    return x_NH.dtype == dtype and not autocast_other
 
 
 def compute_weights(weights: Sequence[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
@@ -94,13 +53,19 @@ def compute_weights(weights: Sequence[torch.Tensor], dtype: torch.dtype | None) 
 
 
 def use_grouped(
-    x_NH: torch.Tensor, counts_L: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, requested: bool | None
+    x_NH: torch.Tensor,
+    counts_L: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    requested: bool | None,
+    dtype: torch.dtype | None = None,
 ) -> bool:
-    """Whether an experts module runs ``grouped_mm`` (``requested``: its ``use_grouped_mm``); checks
-    that the counts match the local experts and that a forced ``grouped_mm`` can run."""
+    """Whether an experts module runs ``grouped_mm`` (``requested``: its ``use_grouped_mm``; ``dtype``:
+    the GEMMs' dtype when the weights are cast to it); checks that the counts match the local experts
+    and that a forced ``grouped_mm`` can run."""
     if counts_L.shape[0] != w1.shape[0]:
         raise RuntimeError(f"got token counts for {counts_L.shape[0]} experts, but {w1.shape[0]} are held here.")
-    grouped = grouped_mm_supported(x_NH, w1, w2)
+    grouped = grouped_mm_supported(x_NH, w1, w2, dtype=dtype)
     if requested and not grouped:
         raise RuntimeError(
             f"use_grouped_mm=True but grouped_mm cannot run for dtype {x_NH.dtype} on {x_NH.device.type} "
@@ -109,8 +74,9 @@ def use_grouped(
     return grouped and requested is not False
 
 
-def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether ``grouped_mm`` runs for these operands: dtype and device supported, rows 16-byte aligned."""
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether ``grouped_mm`` runs for these operands: dtype and device supported, rows 16-byte aligned
+    (``dtype``: the weights' dtype in the GEMMs, when they are cast to it; ``None``: their own)."""
     if GROUPED_MM is None:
         return False
     if x.device.type == "cuda":
@@ -121,7 +87,7 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     if torch.compiler.is_compiling():
         dtypes = (torch.bfloat16,)  # what the operator's meta function takes (torch 2.11-2.13)
-    if x.dtype not in dtypes or any(w.dtype != x.dtype for w in weights):
+    if x.dtype not in dtypes or any((dtype or w.dtype) != x.dtype for w in weights):
         return False
     align = 16 // x.element_size()
     return all(dim % align == 0 for w in weights for dim in w.shape[1:])
@@ -138,11 +104,19 @@ class RoutedExperts(nn.Module):
     #: model's routed experts by it find these.
     has_gate = True
 
+    #: Whether ``run`` hands the grouped and per-expert functions the local weights uncast, for
+    #: them to cast to ``compute_dtype`` themselves (``GroupedExperts``: its GEMMs then write the
+    #: weights' gradients in the weights' own dtype); otherwise they get the cast weights.
+    casts_in_gemms = False
+
     def __init__(self, use_grouped_mm: bool | None) -> None:
         super().__init__()
         self.use_grouped_mm = use_grouped_mm
         self.grad_scale = 1.0
         self.compute_dtype: torch.dtype | None = None
+        #: Whether a grouped forward may leave its backward to per-expert GEMMs (``counts_for_backward``);
+        #: ``MoELayer`` clears it under CUDA graphs, whose replays cannot read counts on the host.
+        self.host_counts_in_backward = True
 
     @property
     def num_experts(self) -> int:
@@ -176,13 +150,16 @@ class RoutedExperts(nn.Module):
         counts_host: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """``grouped(x_NH, counts_L, weights, grad_scale)`` or ``loop(x_NH, counts, weights, grad_scale)``
-        on the local shards of ``params`` (cast to ``compute_dtype``); both multiply every weight's
-        gradient by ``grad_scale`` (``with_grad_scale`` does it for any function). ``gemm_weights``: the positions
-        in ``params`` of the two matrices the GEMMs multiply by. ``counts_host``: ``counts_L`` as
-        host integers when the caller already has them; otherwise the loop reads them (one sync)."""
-        weights = compute_weights(params, self.compute_dtype)
+        on the local shards of ``params`` (cast to ``compute_dtype`` unless ``casts_in_gemms``); both
+        multiply every weight's gradient by ``grad_scale`` (``with_grad_scale`` does it for any
+        function). ``gemm_weights``: the positions in ``params`` of the two matrices the GEMMs
+        multiply by. ``counts_host``: ``counts_L`` as host integers when the caller already has them;
+        otherwise the loop reads them (one sync)."""
+        local = [local_tensor(w) for w in params]
+        weights = local if self.casts_in_gemms else compute_weights(local, self.compute_dtype)
         i, j = gemm_weights
-        grouped_ok = use_grouped(x_NH, counts_L, weights[i], weights[j], self.use_grouped_mm)
+        dtype = self.compute_dtype if self.casts_in_gemms else None
+        grouped_ok = use_grouped(x_NH, counts_L, weights[i], weights[j], self.use_grouped_mm, dtype)
         if grouped_ok and not self.grouped_mm_runs(x_NH, weights):
             if self.use_grouped_mm:
                 raise RuntimeError(
@@ -194,9 +171,8 @@ class RoutedExperts(nn.Module):
         if grouped_ok and not self.prefers_per_expert(x_NH, counts_host, weights[i]):
             return grouped(x_NH, counts_L, weights, self.grad_scale)
         if torch.compiler.is_compiling() and counts_host is None:
-            return with_grad_scale(
-                lambda x, *w: self.masked_forward(x, counts_L, list(w)), x_NH, weights, self.grad_scale
-            )
+            cast = compute_weights(weights, self.compute_dtype) if self.casts_in_gemms else weights
+            return with_grad_scale(lambda x, *w: self.masked_forward(x, counts_L, list(w)), x_NH, cast, self.grad_scale)
         counts = list(counts_host) if counts_host is not None else counts_L.tolist()
         rows = sum(counts)
         if len(counts) != weights[i].shape[0] or rows > x_NH.shape[0]:
@@ -238,10 +214,27 @@ class RoutedExperts(nn.Module):
     def prefers_per_expert(self, x_NH: torch.Tensor, counts_host: Sequence[int] | None, w_first: torch.Tensor) -> bool:
         """Whether ``use_grouped_mm=None`` picks the per-expert GEMMs for these rows (``w_first``: the
         local weights of the first GEMM, ``[L, ...]``)."""
+        return counts_host is not None and self._large_for(x_NH, w_first)
+
+    def counts_for_backward(
+        self, x_NH: torch.Tensor, counts_L: torch.Tensor, w_first: torch.Tensor
+    ) -> CountsOnHost | None:
+        """For a grouped forward without host counts: the counts queued to the host for a backward
+        of per-expert GEMMs where ``prefers_per_expert`` would pick them, else ``None``. Not in a
+        traced graph, nor while a CUDA graph is captured (its replays would read stale counts)."""
+        if not self.host_counts_in_backward or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        if not self._large_for(x_NH, w_first) or (x_NH.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        return CountsOnHost(counts_L)
+
+    def _large_for(self, x_NH: torch.Tensor, w_first: torch.Tensor) -> bool:
+        """Whether an average expert's first GEMM on these rows reaches ``per_expert_min_gflop`` (CUDA,
+        ``use_grouped_mm=None``)."""
         minimum = self.per_expert_min_gflop
-        if self.use_grouped_mm is not None or counts_host is None or minimum is None or not x_NH.is_cuda:
+        if self.use_grouped_mm is not None or minimum is None or not x_NH.is_cuda:
             return False
-        mean_rows = x_NH.shape[0] / max(len(counts_host), 1)
+        mean_rows = x_NH.shape[0] / max(w_first.shape[0], 1)
         return 2 * mean_rows * w_first[0].numel() / 1e9 >= minimum
 
 
@@ -263,12 +256,14 @@ class GroupedExperts(RoutedExperts):
 
     ``compute_dtype``, when set, is the dtype the weights are cast to for the matmuls (their
     gradients flow back in the parameters' dtype). ``shard_model`` sets it to FSDP2's
-    ``param_dtype`` when it leaves the experts out of FSDP2 (no expert-data-parallel ranks).
+    ``param_dtype`` when it leaves the experts out of FSDP2 (no expert-data-parallel ranks). The
+    GEMM functions cast the weights themselves (``casts_in_gemms``) and keep the cast for backward;
+    the weights' gradients are widened back by a kernel, or written in fp32 by the per-expert GEMMs.
 
     The grouped path runs as one autograd function (``lightning_ep.moe.experts.mlp``) that folds
     ``grad_scale`` into its SwiGLU backward and recomputes the SwiGLU output there instead of
-    keeping it; under autocast, or with rows and weights in different dtypes, it runs under plain
-    autograd with ``with_grad_scale``.
+    keeping it; under autocast to another dtype than the rows' it runs under plain autograd with
+    ``with_grad_scale``.
 
     The per-expert path (``use_grouped_mm=False``, or ``None`` on CUDA with host counts and an
     average expert's first GEMM of at least ``per_expert_min_gflop``) runs one cuBLAS GEMM per
@@ -276,10 +271,13 @@ class GroupedExperts(RoutedExperts):
     GEMMs. On an H200 it beats the grouped GEMM on large experts whatever the rows (Mixtral's
     4096 x 14336) and loses, by up to several times, on narrow ones (width 768 or 1408), hence the
     threshold on an average expert's GEMM size; measured with ``benchmarks/bench_experts.py``
-    (``docs/performance.md``, "Expert GEMMs").
+    (``docs/performance.md``, "Expert GEMMs"). Where such experts get no host counts in the forward
+    (one process, or the padded all-to-all), the forward runs the grouped GEMMs without a sync and
+    the backward runs per expert on the counts copied to the host meanwhile (``counts_for_backward``).
     """
 
     per_expert_min_gflop = 64.0
+    casts_in_gemms = True
 
     def __init__(
         self,
@@ -325,16 +323,16 @@ class GroupedExperts(RoutedExperts):
         Returns:
             ``[N, H]`` expert outputs, in the order of ``x_NH``.
         """
-        act_fn = self.act_fn
-        return self.run(
-            x_NH,
-            counts_L,
-            [self.gate_up_proj, self.down_proj],
-            (0, 1),
-            lambda x, counts, weights, scale: _grouped_forward(x, counts, weights[0], weights[1], act_fn, scale),
-            lambda x, counts, weights, scale: _per_expert_forward(x, counts, weights[0], weights[1], act_fn, scale),
-            counts_host,
-        )
+        act_fn, dtype = self.act_fn, self.compute_dtype
+
+        def grouped(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], scale: float) -> torch.Tensor:
+            later = self.counts_for_backward(x, counts, weights[0])
+            return _grouped_forward(x, counts, weights[0], weights[1], act_fn, scale, dtype, later)
+
+        def loop(x: torch.Tensor, counts: list[int], weights: list[torch.Tensor], scale: float) -> torch.Tensor:
+            return _per_expert_forward(x, counts, weights[0], weights[1], act_fn, scale, dtype)
+
+        return self.run(x_NH, counts_L, [self.gate_up_proj, self.down_proj], (0, 1), grouped, loop, counts_host)
 
 
 def _grouped_forward(
@@ -344,16 +342,19 @@ def _grouped_forward(
     w2_LHI: torch.Tensor,
     act_fn: Callable[[torch.Tensor], torch.Tensor],
     grad_scale: float,
+    compute_dtype: torch.dtype | None,
+    backward_counts: CountsOnHost | None,
 ) -> torch.Tensor:
     assert GROUPED_MM is not None
     offsets_L = torch.cumsum(counts_L.to(device=x_NH.device), dim=0).to(torch.int32)
-    if fold_grad_scale(x_NH, w1_LFH, w2_LHI):
-        return grouped_mlp(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn, grad_scale)
+    dtype = compute_dtype or w1_LFH.dtype
+    if fold_grad_scale(x_NH, dtype):
+        return grouped_mlp(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn, grad_scale, dtype, backward_counts)
 
     def mlp(x_NH: torch.Tensor, w1_LFH: torch.Tensor, w2_LHI: torch.Tensor) -> torch.Tensor:
         return grouped_mlp_forward(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn)[1]
 
-    return with_grad_scale(mlp, x_NH, [w1_LFH, w2_LHI], grad_scale)
+    return with_grad_scale(mlp, x_NH, compute_weights([w1_LFH, w2_LHI], compute_dtype), grad_scale)
 
 
 def _per_expert_forward(
@@ -363,6 +364,7 @@ def _per_expert_forward(
     w2_LHI: torch.Tensor,
     act_fn: Callable[[torch.Tensor], torch.Tensor],
     grad_scale: float,
+    compute_dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    h_NF = segment_linear(x_NH, w1_LFH, counts, grad_scale)
-    return segment_linear(swiglu(h_NF, act_fn), w2_LHI, counts, grad_scale)
+    h_NF = segment_linear(x_NH, w1_LFH, counts, grad_scale, compute_dtype)
+    return segment_linear(swiglu(h_NF, act_fn), w2_LHI, counts, grad_scale, compute_dtype)

@@ -71,6 +71,8 @@ class LoRAGroupedExperts(GroupedExperts):
 
     #: The per-expert path of ``GroupedExperts`` is the loop here too (``segment_linear``).
     per_expert_min_gflop = GroupedExperts.per_expert_min_gflop
+    #: The adapters' GEMMs take the weights cast by ``run`` (``compute_weights``).
+    casts_in_gemms = False
 
     def __init__(
         self,

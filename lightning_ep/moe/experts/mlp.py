@@ -15,6 +15,14 @@ pass rather than saved, so the forward keeps ``N x I`` fewer elements per layer.
 With a power-of-two scale the gradients are exactly those of the autograd path (a power of two
 commutes with rounding); with any other scale the scale is applied before the one rounding of
 ``grad_h`` and ``a`` instead of after the GEMM.
+
+Master weights in another dtype than the rows (fp32 weights, bf16 GEMMs: ``compute_dtype``) are
+cast inside the function and their cast kept for backward. Their gradients come back in their own
+dtype: widened from the grouped GEMM's bf16 by ``kernels.cast.widen`` (the bits of autograd through
+``w.to(bf16)``), or, when the backward has the rows per expert on the host (``CountsOnHost``),
+written in fp32 by one cuBLAS GEMM per expert (``segments.segment_weight_grad``), whose input
+gradients run per expert too: for large experts those GEMMs are faster than the grouped ones, and
+the fp32 weight gradients need neither the bf16 rounding nor the widening pass.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_ep.moe.experts.segments import CountsOnHost, blocks_of, segment_mm, segment_weight_grad
+from lightning_ep.moe.kernels.cast import widen
 from lightning_ep.moe.kernels.swiglu import swiglu, swiglu_backward
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -37,21 +47,26 @@ def grouped_mlp(
     w2_LHI: torch.Tensor,
     act_fn: Callable[[torch.Tensor], torch.Tensor],
     grad_scale: float,
+    compute_dtype: torch.dtype | None = None,
+    backward_counts: CountsOnHost | None = None,
 ) -> torch.Tensor:
     """``y_NH``, differentiable in ``x_NH``, ``w1_LFH`` and ``w2_LHI``; the weights' gradients come
     out multiplied by ``grad_scale``, the input's does not.
 
     Args:
-        x_NH: rows sorted by expert; the same dtype as the weights.
+        x_NH: rows sorted by expert, in the GEMMs' dtype.
         offsets_L: int32 inclusive prefix sums of the rows per expert (``grouped_mm``'s ``offs``).
             Rows past the last offset (a static plan's padding) are left out by the SwiGLU as by
-            the GEMMs: their outputs and gradients are unspecified.
+            the GEMMs: their outputs are unspecified, their input gradients zero or unspecified.
         w1_LFH: ``[L, 2I, H]``, gate rows then up rows.
         w2_LHI: ``[L, H, I]``.
         act_fn: the gate's activation (the fused kernel for SiLU on CUDA).
         grad_scale: multiplies the weights' gradients.
+        compute_dtype: the GEMMs' dtype when the weights are kept in another (``None``: ``x_NH``'s).
+        backward_counts: the rows per expert for the backward's per-expert GEMMs; ``None``: grouped.
     """
-    return _GroupedMLP.apply(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn, grad_scale)
+    dtype = compute_dtype or x_NH.dtype
+    return _GroupedMLP.apply(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn, grad_scale, dtype, backward_counts)
 
 
 def grouped_mlp_forward(
@@ -78,10 +93,15 @@ class _GroupedMLP(torch.autograd.Function):
         w2_LHI: torch.Tensor,
         act_fn: Callable[[torch.Tensor], torch.Tensor],
         grad_scale: float,
+        dtype: torch.dtype,
+        backward_counts: CountsOnHost | None,
     ) -> torch.Tensor:
-        h_NF, y_NH = grouped_mlp_forward(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn)
-        ctx.save_for_backward(x_NH, offsets_L, w1_LFH, w2_LHI, h_NF)
-        ctx.act_fn, ctx.grad_scale = act_fn, grad_scale
+        w1_c, w2_c = w1_LFH.to(dtype), w2_LHI.to(dtype)  # the weights themselves when already in dtype
+        with torch.autocast(x_NH.device.type, enabled=False):  # every operand is in dtype already
+            h_NF, y_NH = grouped_mlp_forward(x_NH, offsets_L, w1_c, w2_c, act_fn)
+        ctx.save_for_backward(x_NH, offsets_L, w1_c, w2_c, h_NF)
+        ctx.act_fn, ctx.grad_scale, ctx.backward_counts = act_fn, grad_scale, backward_counts
+        ctx.weight_dtypes = (w1_LFH.dtype, w2_LHI.dtype)
         return y_NH
 
     @staticmethod
@@ -90,11 +110,21 @@ class _GroupedMLP(torch.autograd.Function):
         x_NH, offsets_L, w1_LFH, w2_LHI, h_NF = ctx.saved_tensors
         need_x, _, need_w1, need_w2 = ctx.needs_input_grad[:4]
         grad_NH = grad_NH.contiguous()
-        grad_NI = GROUPED_MM(grad_NH, w2_LHI, offs=offsets_L)
+        blocks = blocks_of(ctx.backward_counts.get()) if ctx.backward_counts is not None else None
+
+        def input_grad(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return GROUPED_MM(g, w, offs=offsets_L) if blocks is None else segment_mm(g, w, blocks)
+
+        def weight_grad(g: torch.Tensor, a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            # The K dimension (rows) is grouped: one [F, H] / [H, I] block per expert.
+            if blocks is None:
+                return widen(GROUPED_MM(g.t(), a, offs=offsets_L), dtype)
+            return segment_weight_grad(g, a, blocks, w1_LFH.shape[0], dtype)
+
+        grad_NI = input_grad(grad_NH, w2_LHI)
         scale = ctx.grad_scale if need_w1 or need_w2 else 1.0
         grad_NF, scaled_grad_NF, scaled_a_NI = swiglu_backward(h_NF, grad_NI, ctx.act_fn, scale, offsets_L[-1:])
-        # Weight gradients: the K dimension (rows) is grouped, one [F, H] / [H, I] block per expert.
-        grad_w1 = GROUPED_MM(scaled_grad_NF.t(), x_NH, offs=offsets_L) if need_w1 else None
-        grad_w2 = GROUPED_MM(grad_NH.t(), scaled_a_NI, offs=offsets_L) if need_w2 else None
-        grad_x = GROUPED_MM(grad_NF, w1_LFH, offs=offsets_L) if need_x else None
-        return grad_x, None, grad_w1, grad_w2, None, None
+        grad_w1 = weight_grad(scaled_grad_NF, x_NH, ctx.weight_dtypes[0]) if need_w1 else None
+        grad_w2 = weight_grad(grad_NH, scaled_a_NI, ctx.weight_dtypes[1]) if need_w2 else None
+        grad_x = input_grad(grad_NF, w1_LFH) if need_x else None
+        return grad_x, None, grad_w1, grad_w2, None, None, None, None

@@ -1,7 +1,13 @@
-"""``segment_linear``: one GEMM per expert over consecutive row blocks whose sizes the host knows
-(large experts, where cuBLAS's per-expert GEMMs beat one grouped GEMM), in forward and backward.
+"""One GEMM per expert over consecutive row blocks whose sizes the host knows (large experts, where
+cuBLAS's per-expert GEMMs beat one grouped GEMM): ``segment_linear`` in forward and backward, the
+per-expert GEMMs of a backward (``segment_mm``, ``segment_weight_grad``), and ``CountsOnHost``, a
+layer's counts copied to the host for its backward without waiting for them in the forward.
 
 Legend: N rows sorted by expert, K input width, F output width, L experts held here.
+
+Weight gradients of fp32 master weights multiplied in bf16 (``compute_dtype``: bf16-mixed with the
+experts outside FSDP2) are written by the GEMM in fp32, from its fp32 accumulator, as Megatron-Core's
+gradient-accumulation fusion does: no bf16 rounding of the gradient and no widening pass over it.
 """
 
 from __future__ import annotations
@@ -11,18 +17,25 @@ from typing import Any
 import torch
 
 
-def segment_linear(x_NK: torch.Tensor, w_LFK: torch.Tensor, counts: list[int], grad_scale: float = 1.0) -> torch.Tensor:
+def segment_linear(
+    x_NK: torch.Tensor,
+    w_LFK: torch.Tensor,
+    counts: list[int],
+    grad_scale: float = 1.0,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``y[rows of e] = x[rows of e] @ w[e].T`` for consecutive row blocks of ``counts[e]`` rows.
 
     One GEMM per non-empty block, written in place into the output (no split, no ``cat``); in
     backward one GEMM per block for the input's gradient and one for the weight's, which the
     GEMM multiplies by ``grad_scale`` (``alpha``) as it writes it. An expert with no rows gets a
-    zero weight gradient.
+    zero weight gradient. ``compute_dtype``: the dtype the weight is cast to for the GEMMs (``None``:
+    its own); its gradient comes back in the weight's dtype, written so by the GEMM.
     """
-    return _SegmentLinear.apply(x_NK, w_LFK, counts, grad_scale)
+    return _SegmentLinear.apply(x_NK, w_LFK, counts, grad_scale, compute_dtype)
 
 
-def _blocks(counts: list[int]) -> list[tuple[int, int, int]]:
+def blocks_of(counts: list[int]) -> list[tuple[int, int, int]]:
     """``(expert, start, stop)`` of every non-empty block."""
     out, start = [], 0
     for e, c in enumerate(counts):
@@ -32,35 +45,96 @@ def _blocks(counts: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def segment_mm(g_NF: torch.Tensor, w_LFK: torch.Tensor, blocks: list[tuple[int, int, int]]) -> torch.Tensor:
+    """``g[rows of e] @ w[e]`` per block (an input's gradient), ``[N, K]``; rows in no block are zero."""
+    out = g_NF.new_empty(g_NF.shape[0], w_LFK.shape[2])
+    covered = blocks[-1][2] if blocks else 0
+    if covered < out.shape[0]:
+        out[covered:].zero_()
+    for e, start, stop in blocks:
+        torch.mm(g_NF[start:stop], w_LFK[e], out=out[start:stop])
+    return out
+
+
+def segment_weight_grad(
+    g_NF: torch.Tensor,
+    x_NK: torch.Tensor,
+    blocks: list[tuple[int, int, int]],
+    num_experts: int,
+    dtype: torch.dtype,
+    alpha: float = 1.0,
+) -> torch.Tensor:
+    """``alpha * g[rows of e].T @ x[rows of e]`` per expert, ``[L, F, K]`` in ``dtype`` (zero for an
+    expert without rows). A wider ``dtype`` than the operands' (fp32 from bf16) is the GEMM's own
+    output: the fp32 accumulator written without rounding to bf16."""
+    out = torch.empty((num_experts, g_NF.shape[1], x_NK.shape[1]), dtype=dtype, device=g_NF.device)
+    if len(blocks) < num_experts:
+        out.zero_()
+    for e, start, stop in blocks:
+        _mm_into(out[e], g_NF[start:stop].t(), x_NK[start:stop], alpha)
+    return out
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """``out = alpha * a @ b`` (``beta=0``: the uninitialised ``out`` is never read)."""
+    if out.dtype == a.dtype:
+        torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
+    elif a.is_cuda:  # cuBLAS: bf16 operands, fp32 accumulation, written in out's dtype
+        torch.addmm(out, a, b, beta=0, alpha=alpha, out_dtype=out.dtype, out=out)
+    else:  # the CPU has no mixed-dtype GEMM: the operands widened exactly, the same math
+        torch.addmm(out, a.to(out.dtype), b.to(out.dtype), beta=0, alpha=alpha, out=out)
+
+
+class CountsOnHost:
+    """Rows per local expert, on the host for a backward, without a host sync in the forward.
+
+    On CUDA the copy is queued on the current stream into pinned memory, and ``get`` waits for that
+    copy only: a backward runs well after its forward's routing, which the GPU has long passed by
+    then, so the wait drains nothing. On the CPU the counts are read at once.
+    """
+
+    def __init__(self, counts_L: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if counts_L.is_cuda:
+            self._host = torch.empty(counts_L.shape, dtype=counts_L.dtype, pin_memory=True)
+            self._host.copy_(counts_L, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = counts_L.detach().clone()
+
+    def get(self) -> list[int]:
+        """The counts as host integers (waits for the forward's copy on CUDA)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 class _SegmentLinear(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x_NK: torch.Tensor, w_LFK: torch.Tensor, counts: list[int], grad_scale: float
+        ctx: Any,
+        x_NK: torch.Tensor,
+        w_LFK: torch.Tensor,
+        counts: list[int],
+        grad_scale: float,
+        compute_dtype: torch.dtype | None,
     ) -> torch.Tensor:
-        blocks = _blocks(counts)
+        blocks = blocks_of(counts)
+        w_c = w_LFK if compute_dtype is None else w_LFK.to(compute_dtype)  # kept for backward
         y_NF = x_NK.new_empty(x_NK.shape[0], w_LFK.shape[1])
         for e, start, stop in blocks:
-            torch.mm(x_NK[start:stop], w_LFK[e].t(), out=y_NF[start:stop])
-        ctx.save_for_backward(x_NK, w_LFK)
-        ctx.blocks, ctx.grad_scale = blocks, grad_scale
+            torch.mm(x_NK[start:stop], w_c[e].t(), out=y_NF[start:stop])
+        ctx.save_for_backward(x_NK, w_c)
+        ctx.blocks, ctx.grad_scale, ctx.weight_dtype = blocks, grad_scale, w_LFK.dtype
         return y_NF
 
     @staticmethod
     def backward(ctx: Any, grad_NF: torch.Tensor) -> tuple[Any, ...]:
         x_NK, w_LFK = ctx.saved_tensors
         grad_NF = grad_NF.contiguous()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.empty_like(x_NK)
-            for e, start, stop in ctx.blocks:
-                torch.mm(grad_NF[start:stop], w_LFK[e], out=grad_x[start:stop])
+        grad_x = segment_mm(grad_NF, w_LFK, ctx.blocks) if ctx.needs_input_grad[0] else None
+        grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = torch.empty_like(w_LFK)
-            if len(ctx.blocks) < w_LFK.shape[0]:
-                grad_w.zero_()
-            for e, start, stop in ctx.blocks:
-                # beta=0: the uninitialised ``out`` is never read.
-                torch.addmm(
-                    grad_w[e], grad_NF[start:stop].t(), x_NK[start:stop], beta=0, alpha=ctx.grad_scale, out=grad_w[e]
-                )
-        return grad_x, grad_w, None, None
+            grad_w = segment_weight_grad(grad_NF, x_NK, ctx.blocks, w_LFK.shape[0], ctx.weight_dtype, ctx.grad_scale)
+        return grad_x, grad_w, None, None, None

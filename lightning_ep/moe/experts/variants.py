@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from lightning_ep.moe.dispatch.base import block_of_rows
-from lightning_ep.moe.experts.grouped import GROUPED_MM, RoutedExperts, with_grad_scale
+from lightning_ep.moe.experts.grad_scale import with_grad_scale
+from lightning_ep.moe.experts.grouped import GROUPED_MM, RoutedExperts
 
 
 class InterleavedGLUExperts(RoutedExperts):
