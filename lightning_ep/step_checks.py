@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_ep.budget_fallback import BudgetFallback
+from lightning_ep.moe.dispatch.host import HostCopy
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.grad_norm import clip_grad_norm_
 
@@ -46,7 +47,7 @@ class StepChecks:
         # Per micro-batch since the last optimizer step: the host copy of the all-reduced
         # [aux..., z..., flags...] (flags only with check_finite) and, on CUDA, the event that marks
         # the copy done.
-        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._pending: list[HostCopy] = []
         # The layers' dispatchers that keep a static row budget (``watch_budgets``).
         self._budgets: list[Any] = []
         #: Runs ``training_step`` again when a forward went over a budget (``watch_budgets(rerun=True)``).
@@ -77,17 +78,17 @@ class StepChecks:
         """Raise on a non-finite flag or rows over a static dispatch budget, then log the losses
         kept since the last optimizer step."""
         pending, self._pending = self._pending, []
-        if pending and pending[-1][1] is not None:
-            pending[-1][1].synchronize()  # one stream: the last copy done, all are
+        if pending:
+            pending[-1].wait()  # one stream: the last copy done, all are
         n = len(self._layers)
         if pending and self.check_finite:
-            self._raise_if_nonfinite(torch.stack([host[2 * n :] for host, _ in pending]).amax(0), module)
+            self._raise_if_nonfinite(torch.stack([copy.host[2 * n :] for copy in pending]).amax(0), module)
         self._raise_if_over_budget()
         if not pending or module is None or not self.log_losses:
             return
-        total = pending[0][0][: 2 * n]
-        for host, _ in pending[1:]:
-            total = total + host[: 2 * n]
+        total = pending[0].host[: 2 * n]
+        for copy in pending[1:]:
+            total = total + copy.host[: 2 * n]
         aux, z = total[:n] / len(pending), total[n:] / len(pending)
         # CPU tensors: Lightning reads progress-bar values back at every batch end.
         metrics = {"moe/aux_loss": aux.sum(), "moe/z_loss": z.sum()}
@@ -128,16 +129,9 @@ class StepChecks:
         )
 
 
-def _queue_to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """``values`` on the host: a CUDA tensor's copy to pinned memory is queued on the current stream
-    (returned with the event marking it done, to wait on before reading); a CPU tensor as it is."""
-    if values.device.type != "cuda":
-        return values, None
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return host, copied
+def _queue_to_host(values: torch.Tensor) -> HostCopy:
+    """``values``' copy to the host, queued on the current stream (``HostCopy``)."""
+    return HostCopy(values)
 
 
 def nonfinite_fix(precision: str, layers: list[MoELayer]) -> str:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from lightning_ep.moe.dispatch.host import HostCopy
+
 
 def segment_linear(
     x_NK: torch.Tensor,
@@ -46,7 +48,8 @@ def blocks_of(counts: list[int]) -> list[tuple[int, int, int]]:
 
 
 def segment_mm(g_NF: torch.Tensor, w_LFK: torch.Tensor, blocks: list[tuple[int, int, int]]) -> torch.Tensor:
-    """``g[rows of e] @ w[e]`` per block (an input's gradient), ``[N, K]``; rows in no block are zero."""
+    """``g[rows of e] @ w[e]`` per block, ``[N, K]`` (a forward with ``w`` transposed, or an input's
+    gradient); rows in no block are zero."""
     out = g_NF.new_empty(g_NF.shape[0], w_LFK.shape[2])
     covered = blocks[-1][2] if blocks else 0
     if covered < out.shape[0]:
@@ -85,29 +88,13 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) 
         torch.addmm(out, a.to(out.dtype), b.to(out.dtype), beta=0, alpha=alpha, out=out)
 
 
-class CountsOnHost:
-    """Rows per local expert, on the host for a backward, without a host sync in the forward.
-
-    On CUDA the copy is queued on the current stream into pinned memory, and ``get`` waits for that
-    copy only: a backward runs well after its forward's routing, which the GPU has long passed by
-    then, so the wait drains nothing. On the CPU the counts are read at once.
-    """
-
-    def __init__(self, counts_L: torch.Tensor) -> None:
-        self._event: torch.cuda.Event | None = None
-        if counts_L.is_cuda:
-            self._host = torch.empty(counts_L.shape, dtype=counts_L.dtype, pin_memory=True)
-            self._host.copy_(counts_L, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = counts_L.detach().clone()
+class CountsOnHost(HostCopy):
+    """Rows per local expert, on the host for a backward, without a host sync in the forward: a
+    backward runs well after its forward's routing, so waiting for the copy drains nothing."""
 
     def get(self) -> list[int]:
         """The counts as host integers (waits for the forward's copy on CUDA)."""
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
+        return self.wait().tolist()
 
 
 class _SegmentLinear(torch.autograd.Function):
@@ -122,9 +109,7 @@ class _SegmentLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         blocks = blocks_of(counts)
         w_c = w_LFK if compute_dtype is None else w_LFK.to(compute_dtype)  # kept for backward
-        y_NF = x_NK.new_empty(x_NK.shape[0], w_LFK.shape[1])
-        for e, start, stop in blocks:
-            torch.mm(x_NK[start:stop], w_c[e].t(), out=y_NF[start:stop])
+        y_NF = segment_mm(x_NK, w_c.transpose(1, 2), blocks)
         ctx.save_for_backward(x_NK, w_c)
         ctx.blocks, ctx.grad_scale, ctx.weight_dtype = blocks, grad_scale, w_LFK.dtype
         return y_NF
