@@ -47,6 +47,7 @@ VARIANTS = (
     "unrouted-graphs",
     "hf-mask",
     "grouped-backward",
+    "widened-wgrad",
 )
 
 _SWIGLU, _SWIGLU_BACKWARD = swiglu.swiglu, swiglu.swiglu_backward
@@ -178,7 +179,10 @@ def variant(name: str) -> Iterator[None]:
       the host (``lightning_ep.models.causal_mask``);
     - ``grouped-backward``: the backward of a grouped forward runs the grouped GEMMs, widening fp32
       masters' bf16 gradients, not one cuBLAS GEMM per large expert on the forward's counts copied
-      to the host, writing fp32 (``GroupedExperts.counts_for_backward``).
+      to the host, writing fp32 (``GroupedExperts.counts_for_backward``);
+    - ``widened-wgrad``: the grouped backward's weight gradients for fp32 masters as the grouped
+      GEMM's bf16 widened by a second pass, not written in fp32 by one Triton kernel
+      (``lightning_ep.moe.kernels.grouped_wgrad``).
     """
     patches: dict[str, Any] = {}
     if name in ("unfused-swiglu", "reference"):
@@ -220,6 +224,8 @@ def variant(name: str) -> Iterator[None]:
         patches |= {"cast_for_compute": _torch_cast, "widen": _torch_widen}
     if name in ("grouped-backward", "reference"):
         patches |= {"counts_for_backward": lambda self, x_NH, counts_L, w_first: None}
+    if name in ("widened-wgrad", "reference"):
+        patches |= {"grouped_weight_grad_available": lambda g, b: False}
     if name == "device-logging":
         patches |= {"_queue_to_host": _queue_keeping_device, "before_optimizer_step": _log_device_tensors}
     if name == "unrouted-graphs":

@@ -92,23 +92,39 @@ def test_large_experts_run_their_backward_per_expert_without_a_host_sync_in_forw
     assert count_syncs(forward) == 0
 
 
-def test_fp32_masters_with_small_experts_get_the_bits_of_bf16_weights_widened():
-    """Below ``per_expert_min_gflop`` the grouped backward stays: fp32 masters in bf16 GEMMs get the
-    bf16 weights' gradients widened, what FSDP2's ``param_dtype=bf16`` gives."""
+def test_fp32_masters_with_small_experts_get_fp32_gradients_from_the_grouped_kernel():
+    """Below ``per_expert_min_gflop`` the backward stays grouped: the input gradient is the bf16
+    weights' bit for bit, and fp32 masters get their gradients from the Triton kernel in fp32, the
+    float64 product of the GEMMs' operands to fp32 round-off (not rounded to bf16)."""
     g = torch.Generator(device=CUDA).manual_seed(0)
     w1 = torch.randn(8, 128, 64, generator=g, device=CUDA) * 0.05
     w2 = torch.randn(8, 64, 64, generator=g, device=CUDA) * 0.05
     x = torch.randn(96, 64, generator=g, device=CUDA).bfloat16()
-    counts = torch.tensor([12] * 8, device=CUDA)
-    grads = []
+    up = torch.randn(96, 64, generator=g, device=CUDA).bfloat16()
+    counts = torch.tensor([12, 0, 20, 12, 4, 12, 24, 12], device=CUDA)
+    runs = []
     for weights, dtype in (((w1, w2), torch.bfloat16), ((w1.bfloat16(), w2.bfloat16()), None)):
         experts = GroupedExperts(*(nn.Parameter(w.clone()) for w in weights), F.silu)
-        experts.compute_dtype = dtype
+        experts.compute_dtype, experts.grad_scale = dtype, 0.5
         assert experts.counts_for_backward(x, counts, weights[0]) is None
-        experts(x, counts).float().square().sum().backward()
-        grads.append([experts.gate_up_proj.grad, experts.down_proj.grad])
-    assert all(gr.dtype == torch.float32 for gr in grads[0])
-    assert all(torch.equal(a, b.float()) for a, b in zip(*grads, strict=True))
+        xr = x.clone().requires_grad_(True)
+        out = experts(xr, counts)
+        out.backward(up)
+        runs.append([out, xr.grad, experts.gate_up_proj.grad, experts.down_proj.grad])
+    (mixed, bf16) = runs
+    assert torch.equal(mixed[0], bf16[0]) and torch.equal(mixed[1], bf16[1])
+    split = counts.tolist()
+    offsets = counts.cumsum(0).to(torch.int32)
+    h = GROUPED_MM(x, w1.bfloat16().transpose(-2, -1), offs=offsets)
+    grad_NI = GROUPED_MM(up, w2.bfloat16(), offs=offsets)
+    _, scaled_grad_NF, scaled_a_NI = swiglu_backward(h, grad_NI, F.silu, 0.5, offsets[-1:])
+    for have, low, (a, b) in zip(mixed[2:], bf16[2:], ((scaled_grad_NF, x), (up, scaled_a_NI)), strict=True):
+        want = torch.stack([a_e.double().t() @ b_e.double() for a_e, b_e in zip(a.split(split), b.split(split))])
+        assert have.dtype == torch.float32
+        assert rel_err(have, want) < 1e-6  # fp32 accumulation over 24 rows at most
+        assert rel_err(have, low) < 2**-8  # the bf16 weights' gradient: one bf16 rounding of it
+        assert not torch.equal(have, have.bfloat16().float())
+        assert torch.count_nonzero(have[1]) == 0  # the idle expert
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.5, 0.3])

@@ -189,7 +189,7 @@ def test_compute_dtype_casts_weights_and_returns_gradients_in_their_dtype(groupe
     for want, have in zip(reference[:2], got[:2], strict=True):
         assert torch.equal(have, want)  # output and input gradient: what FSDP2's param_dtype=bf16 computes
     for want, have in zip(reference[2:], got[2:], strict=True):
-        if grouped is None:  # the grouped GEMM's bf16 gradient, widened: FSDP2's bits
+        if grouped is None:  # on CPU the grouped GEMM's bf16 gradient, widened: FSDP2's bits (CUDA: tests/gpu)
             assert torch.equal(have, want.float())
         else:  # the per-expert GEMMs write fp32 from their accumulator: bf16 rounding apart, and unrounded
             assert rel_err(have, want) < 2**-8

@@ -18,11 +18,13 @@ commutes with rounding); with any other scale the scale is applied before the on
 
 Master weights in another dtype than the rows (fp32 weights, bf16 GEMMs: ``compute_dtype``) are
 cast inside the function and their cast kept for backward. Their gradients come back in their own
-dtype: widened from the grouped GEMM's bf16 by ``kernels.cast.widen`` (the bits of autograd through
-``w.to(bf16)``), or, when the backward has the rows per expert on the host (``CountsOnHost``),
-written in fp32 by one cuBLAS GEMM per expert (``segments.segment_weight_grad``), whose input
-gradients run per expert too: for large experts those GEMMs are faster than the grouped ones, and
-the fp32 weight gradients need neither the bf16 rounding nor the widening pass.
+dtype, accumulated in fp32 and never rounded to bf16: on CUDA by one Triton kernel over all experts
+(``kernels.grouped_wgrad``, offsets read on the device), or, when the backward has the rows per
+expert on the host (``CountsOnHost``), by one cuBLAS GEMM per expert
+(``segments.segment_weight_grad``), whose input gradients run per expert too (for large experts
+those GEMMs are faster than the grouped ones). Where neither applies (CPU, no Triton) the grouped
+GEMM's gradient is widened to the weights' dtype (``kernels.cast.widen``: the bits of autograd
+through ``w.to(bf16)``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 
 from lightning_ep.moe.experts.segments import CountsOnHost, blocks_of, segment_mm, segment_weight_grad
 from lightning_ep.moe.kernels.cast import widen
+from lightning_ep.moe.kernels.grouped_wgrad import grouped_weight_grad, grouped_weight_grad_available
 from lightning_ep.moe.kernels.swiglu import swiglu, swiglu_backward
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -118,6 +121,8 @@ class _GroupedMLP(torch.autograd.Function):
         def weight_grad(g: torch.Tensor, a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             # The K dimension (rows) is grouped: one [F, H] / [H, I] block per expert.
             if blocks is None:
+                if dtype == torch.float32 and grouped_weight_grad_available(g, a):
+                    return grouped_weight_grad(g, a, offsets_L)
                 return widen(GROUPED_MM(g.t(), a, offs=offsets_L), dtype)
             return segment_weight_grad(g, a, blocks, w1_LFH.shape[0], dtype)
 
