@@ -25,7 +25,7 @@ import torch
 from lightning_ep.moe.kernels.lazy_triton import lazy_kernels
 
 _NARROW = (torch.bfloat16, torch.float16)
-# Tile sizes and pipeline depth (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), the fastest of 27 swept
+# Tile sizes and pipeline depth (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), the fastest of 25 swept
 # on an H200 for the benchmarks' fine experts ([1536, 2048] and [2048, 768] blocks, about 512 rows
 # each) and coarse ones ([28672, 4096] and [4096, 14336], about 2,048 rows): wider tiles from
 # LARGE_BLOCK elements per expert on.
