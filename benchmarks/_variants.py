@@ -33,6 +33,7 @@ VARIANTS = (
     "root-head",
     "eager-loss",
     "eager-head",
+    "eager-norm",
     "dedup",
     "wide-sort-keys",
     "unfused-copy-sum",
@@ -150,7 +151,8 @@ def variant(name: str) -> Iterator[None]:
     - ``root-head``: the output projection stays in the root's FSDP2 unit (``shard_model``), not
       in one of its own;
     - ``eager-loss``: ``compile_layers`` / ``+compile`` leave the loss function eager;
-    - ``eager-head``: they leave the output projection eager (``compile_head``);
+    - ``eager-head``: they leave the output projection and the final norm eager (``compile_head``);
+    - ``eager-norm``: they leave the final norm before it eager (``compile_final_norm``);
     - ``dedup``: nothing patched here; ``bench_layer`` sets the all-to-all dispatcher's ``dedup``
       (``MoEConfig.token_dedup``; ``bench_step`` has the row option ``+dedup`` for it);
     - ``wide-sort-keys``: expert ids sorted as int64 keys (8 radix passes on CUDA), not narrowed;
@@ -205,6 +207,8 @@ def variant(name: str) -> Iterator[None]:
         patches |= {"compile_loss": lambda model, **kwargs: False}
     if name in ("eager-head", "reference"):
         patches |= {"compile_head": lambda model, **kwargs: False}
+    if name in ("eager-norm", "reference"):
+        patches |= {"compile_final_norm": lambda model, **kwargs: False}
     if name in ("wide-sort-keys", "unfused-backward", "reference"):
         patches |= {"narrow_keys": lambda keys, bound: keys}
     if name in ("unfused-copy-sum", "unfused-backward", "reference"):

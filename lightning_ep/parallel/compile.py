@@ -21,7 +21,11 @@ memory traffic per step at a 32k vocabulary); compiled, the fp32 arithmetic stay
 ``compile_head`` compiles the output projection's ``forward``: under autocast with fp32 weights,
 eagerly, the backward widens the ``[vocab, hidden]`` weight gradient to fp32 through torch's
 element-wise copy loop, well below the memory's rate; compiled, the casts are vectorized Triton
-kernels and the GEMMs cuBLAS calls as before.
+kernels and the GEMMs cuBLAS calls as before. It also compiles the final normalisation in front of
+the projection (``compile_final_norm``), which belongs to no decoder layer: eagerly, an RMSNorm over
+the ``[tokens, hidden]`` activations is some eight kernels in forward and a dozen in backward, some
+of them torch's unvectorized loops; compiled, one fused kernel each way, sharing the decoder layers'
+compiled norm.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from lightning_ep.moe.layer import MoELayer
 _COMPILED = "_lightning_ep_compiled"
 _COMPILED_LOSS = "_lightning_ep_compiled_loss"
 _COMPILED_HEAD = "_lightning_ep_compiled_head"
+_COMPILED_NORM = "_lightning_ep_compiled_norm"
 _log = logging.getLogger(__name__)
 
 
@@ -107,19 +112,44 @@ def compile_loss(model: nn.Module, **compile_kwargs: Any) -> bool:
 
 def compile_head(model: nn.Module, **compile_kwargs: Any) -> bool:
     """Replace the ``forward`` of a model's output projection (Hugging Face's
-    ``get_output_embeddings()``, the ``lm_head``) with ``torch.compile(forward)``; the module, its
-    hooks (FSDP2's) and its state-dict keys stay as they are. Idempotent.
+    ``get_output_embeddings()``, the ``lm_head``) with ``torch.compile(forward)``, and that of the
+    final norm before it (``compile_final_norm``); the modules, their hooks (FSDP2's) and their
+    state-dict keys stay as they are. Idempotent.
 
     Returns:
-        Whether this call compiled it (``False`` when already compiled, or when ``model`` has no
-        output embeddings module).
+        Whether this call compiled the output projection (``False`` when already compiled, or when
+        ``model`` has no output embeddings module).
     """
+    compile_final_norm(model, **compile_kwargs)
     get_output = getattr(model, "get_output_embeddings", None)
     head = get_output() if callable(get_output) else None
     if not isinstance(head, nn.Module) or getattr(head, _COMPILED_HEAD, False):
         return False
     head.forward = torch.compile(head.forward, **compile_kwargs)  # type: ignore[method-assign]
     setattr(head, _COMPILED_HEAD, True)
+    return True
+
+
+def final_norm(model: nn.Module) -> nn.Module | None:
+    """The normalisation a Hugging Face causal LM applies to the last decoder layer's output before
+    its output projection: its decoder's (``get_decoder()``) ``norm``; ``None`` where there is none."""
+    get_decoder = getattr(model, "get_decoder", None)
+    norm = getattr(get_decoder() if callable(get_decoder) else None, "norm", None)
+    return norm if isinstance(norm, nn.Module) else None
+
+
+def compile_final_norm(model: nn.Module, **compile_kwargs: Any) -> bool:
+    """Replace the ``forward`` of ``final_norm(model)`` with ``torch.compile(forward)``; the module,
+    its hooks and its state-dict keys stay as they are. Idempotent.
+
+    Returns:
+        Whether this call compiled it (``False`` when already compiled, or without a final norm).
+    """
+    norm = final_norm(model)
+    if norm is None or getattr(norm, _COMPILED_NORM, False):
+        return False
+    norm.forward = torch.compile(norm.forward, **compile_kwargs)  # type: ignore[method-assign]
+    setattr(norm, _COMPILED_NORM, True)
     return True
 
 

@@ -12,7 +12,9 @@ twin is ``tests/gpu/test_compile_cuda.py``; the Trainer run at degree 2 is in
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,13 +24,18 @@ from torch._dynamo.utils import counters
 import lightning_ep
 from lightning_ep.parallel.compile import (
     compile_blocks,
+    compile_final_norm,
     compile_for_training,
     compile_head,
     compile_loss,
     dense_children,
+    final_norm,
     is_compiled,
 )
 from lightning_ep.parallel.fsdp import decoder_blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from families_workers import FAMILY_NAMES, tiny_family
 
 RTOL = 1e-5
 
@@ -106,6 +113,7 @@ def test_compile_for_training_turns_the_kv_cache_off() -> None:
     assert all(is_compiled(block) for block in decoder_blocks(model))
     assert not compile_loss(model), "compile_for_training compiled the loss already"
     assert not compile_head(model), "and the output projection"
+    assert not compile_final_norm(model), "and the final norm before it"
 
 
 def _eager_and_compiled(compile_fn: Callable[[torch.nn.Module], bool]) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -147,10 +155,14 @@ def test_compiled_loss_matches_eager() -> None:
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_compiled_head_matches_eager(autocast: bool) -> None:
+def test_compiled_head_matches_eager(autocast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The output projection's compiled ``forward`` gives the eager logits and gradients bit for bit:
     in fp32, and under bf16 autocast with fp32 weights (the casts compiled, their gradient widened
-    back to the fp32 weight as eagerly); a module without output embeddings is left alone."""
+    back to the fp32 weight as eagerly); a module without output embeddings is left alone. (The
+    final norm, which ``compile_head`` compiles too, is left eager here and checked below.)"""
+    from lightning_ep.parallel import compile as compiling
+
+    monkeypatch.setattr(compiling, "compile_final_norm", lambda model, **kwargs: False)
     eager, compiled = _eager_and_compiled(compile_head)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
 
@@ -167,6 +179,38 @@ def test_compiled_head_matches_eager(autocast: bool) -> None:
     grads = dict(eager.named_parameters())
     for name, param in compiled.named_parameters():
         assert torch.equal(param.grad, grads[name].grad), name
+
+
+def test_compiled_final_norm_matches_eager() -> None:
+    """The final RMSNorm before the output projection, compiled (``compile_head`` compiles it too),
+    gives the eager logits and gradients to fp32 rounding (inductor reorders its fp32 reduction);
+    a module without a decoder norm is left alone."""
+    eager, compiled = _eager_and_compiled(compile_final_norm)
+    assert final_norm(compiled) is compiled.model.norm
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+
+    def loss_of(model: torch.nn.Module) -> torch.Tensor:
+        return model(input_ids=ids, use_cache=False).logits.square().mean()
+
+    losses = _backward_each((eager, compiled), loss_of)
+    assert rel_err(losses[1], losses[0]) < RTOL, losses
+    grads = dict(eager.named_parameters())
+    for name, param in compiled.named_parameters():
+        assert rel_err(param.grad, grads[name].grad) < RTOL, name
+
+
+@pytest.mark.parametrize("family", ["mixtral", *FAMILY_NAMES])
+def test_final_norm_is_the_norm_before_the_output_projection(family: str) -> None:
+    """Every supported family: ``final_norm`` finds the module whose output the ``lm_head`` reads."""
+    model = _tiny("mixtral") if family == "mixtral" else tiny_family(family)
+    norm = final_norm(model)
+    assert norm is not None
+    seen: dict[str, torch.Tensor] = {}
+    norm.register_forward_hook(lambda module, args, out: seen.setdefault("norm", out))
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: seen.setdefault("head", args[0]))
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
+    assert torch.equal(seen["head"], seen["norm"])
+    assert final_norm(torch.nn.Linear(2, 2)) is None
 
 
 def test_checkpointed_layers_still_compile() -> None:
