@@ -258,7 +258,9 @@ class GroupedExperts(RoutedExperts):
     gradients flow back in the parameters' dtype). ``shard_model`` sets it to FSDP2's
     ``param_dtype`` when it leaves the experts out of FSDP2 (no expert-data-parallel ranks). The
     GEMM functions cast the weights themselves (``casts_in_gemms``) and keep the cast for backward;
-    the weights' gradients are widened back by a kernel, or written in fp32 by the per-expert GEMMs.
+    fp32 master weights' gradients are written in fp32 by the grouped weight-gradient kernel on
+    CUDA (``kernels.grouped_wgrad``) or by the per-expert GEMMs, and widened from the grouped GEMM's
+    bf16 elsewhere.
 
     The grouped path runs as one autograd function (``lightning_ep.moe.experts.mlp``) that folds
     ``grad_scale`` into its SwiGLU backward and recomputes the SwiGLU output there instead of
