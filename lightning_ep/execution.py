@@ -10,7 +10,8 @@ the setup table it returns is tested for any environment on CPU.
 What each choice does:
 
 - ``compile``: ``torch.compile`` the dense parts of each decoder layer, the routing of each MoE
-  layer and the loss (``lightning_ep.parallel.compile``); Inductor's kernels, float sums reordered.
+  layer, the loss and the output head with its final norm (``lightning_ep.parallel.compile``);
+  Inductor's kernels, float sums reordered.
 - ``cuda_graphs``: replay each MoE layer's dispatch, experts and combine, forward and backward, as
   CUDA graphs (``lightning_ep.moe.graphs``), the same bits. Needs a static plan and experts whose
   weights stay in place (expert-parallel degree = world size), bf16 experts, no activation
@@ -62,7 +63,7 @@ class Execution:
     """How the step runs (see the module docstring); ``"auto"`` everywhere by default.
 
     Args:
-        compile: compile the dense parts, the routing and the loss. Auto: on CUDA with Triton.
+        compile: compile the dense parts, the routing, the loss and the head. Auto: on CUDA with Triton.
         cuda_graphs: replay MoE layers as CUDA graphs. Auto: on CUDA with Triton where the plan is
             static without a row budget (one expert-parallel rank per world: degree = world size = 1),
             bf16 precision, no activation checkpointing, a dropless dispatch, experts that are not
