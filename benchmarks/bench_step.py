@@ -19,7 +19,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   dropless exchange pulled through CUDA symmetric memory (``Execution(exchange="symmetric_memory")``).
   Options appended to a row (they combine: ``ep:a2a+compile+zero2``): ``+eager`` forces every
   execution choice off (no compile, CUDA graphs, fused AdamW kernels or single-rank FSDP2); ``+compile``, ``+graph``,
-  ``+dedup`` force ``Execution(compile=True)``, ``cuda_graphs=True``, ``token_dedup=True`` (on a
+  ``+dedup`` force ``Execution(compile=True)``, ``cuda_graphs=True``, ``token_dedup=True``, and
+  ``+nograph`` forces ``cuda_graphs=False``, so that a ``--trace`` ties every kernel to its host op (on a
   baseline row ``+compile`` applies ``compile_blocks`` to every decoder layer, its MoE block
   included, ``compile_loss`` and ``compile_head``; ``+compile_dense`` the dense parts only); ``+budget``
   (``ep:symm``, ``ep:a2a`` above degree 1) sets ``Execution(row_budget=ceil(--row-budget x batch x
@@ -380,6 +381,8 @@ def execution_of(base: str, options: list[str], args: Any, shape: Shape) -> Any:
         forced["compile"] = True
     if "graph" in options:
         forced["cuda_graphs"] = True
+    if "nograph" in options:
+        forced["cuda_graphs"] = False
     if "dedup" in options:
         forced["token_dedup"] = True
     if base == "ep:symm":
