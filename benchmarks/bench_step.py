@@ -76,7 +76,7 @@ from _common import (
     report,
     world,
 )
-from _variants import variant
+from _variants import VARIANTS, variant
 
 
 def hf_config(shape: Shape, seq: int) -> Any:
@@ -514,6 +514,33 @@ ROW_LABELS = {
 }
 
 
+#: Every ``+option`` a row may carry (module docstring); the balancing modes set the row's ``MoEConfig``.
+ROW_OPTIONS = frozenset(
+    {"eager", "compile", "compile_dense", "graph", "nograph", "dedup", "budget", "autobudget", "adamw", "prefetch"}
+    | {"ac", "ac_keep", "zero2", "zero3", "monitor", "manualgc", "lora", "none", "aux_loss", "sinkhorn", "balanced"}
+)
+
+
+def row_problem(row: str) -> str | None:
+    """What is wrong with a ``--rows`` entry, in words, or ``None``: an unknown base, option or
+    variant, or options that contradict each other (a typo would otherwise run the defaults unseen)."""
+    spec, _, code = row.partition("@")
+    base, *options = spec.split("+")
+    if base not in ROW_LABELS:
+        return f"row {row!r}: {base!r} is not one of {sorted(ROW_LABELS)}"
+    unknown = sorted(set(options) - ROW_OPTIONS)
+    if unknown:
+        return f"row {row!r}: unknown option(s) {unknown}; the options are {sorted(ROW_OPTIONS)}"
+    if code and code not in VARIANTS:
+        return f"row {row!r}: unknown variant {code!r}; the variants are {list(VARIANTS)}"
+    if {"graph", "nograph"} <= set(options):
+        return f"row {row!r}: +graph and +nograph contradict each other; pass one"
+    modes = [o for o in options if o in ("none", "aux_loss", "sinkhorn", "balanced")]
+    if len(modes) > 1:
+        return f"row {row!r}: balancing modes {modes} contradict each other; pass one"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Shapes with a shared expert are bench_layer's: a MixtralConfig has none.
@@ -547,6 +574,10 @@ def main() -> None:
     )
     add_record_args(parser)
     args = parser.parse_args()
+    for row in args.rows:
+        problem = row_problem(row)
+        if problem:
+            parser.error(problem)
 
     import dataclasses
 

@@ -83,6 +83,24 @@ def test_bench_step_runs_the_baseline_and_this_library(tmp_path: Path) -> None:
     assert all(row[-1] == "ok" for row in table), text
 
 
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ("ep:a2a+nographs", "unknown option(s) ['nographs']"),
+        ("ep:a2a@widened-wgrads", "unknown variant 'widened-wgrads'"),
+        ("ep:a2a+graph+nograph", "+graph and +nograph contradict each other"),
+        ("ep:a2a+none+sinkhorn", "balancing modes ['none', 'sinkhorn'] contradict each other"),
+        ("ep:a2b", "'ep:a2b' is not one of"),
+    ],
+)
+def test_bench_step_refuses_a_bad_row_before_any_work(row: str, message: str, tmp_path: Path) -> None:
+    cmd = [sys.executable, str(BENCHMARKS / "bench_step.py"), "--shape", "tiny", "--rows", "grouped_mm", row]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and f"row {row!r}" in result.stderr, result.stderr
+    assert "dense GEMM" not in result.stdout  # refused before the first measurement
+
+
 def test_bench_experts_runs(tmp_path: Path) -> None:
     text = _run(
         "bench_experts.py",
