@@ -311,6 +311,8 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
     reason = "torch.optim.AdamW(fused=True) stepped by lightning_ep.optim.AdamW (same bits)"
     if execution.fused_adamw == "auto" and not fast:
         reason = f"auto: off on {no_kernels}"
+    elif execution.fused_adamw is False:
+        reason = "forced"
     rows.append(Choice("fused_adamw", _on(fused_adamw), reason))
 
     return Resolved(compile_on, graphs, symmetric, dedup, budget, fused_adamw, env, tuple(rows), single_rank)

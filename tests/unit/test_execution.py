@@ -142,6 +142,7 @@ def test_forced_choices_are_kept_or_refused_by_name() -> None:
     off = resolve(Execution(compile=False, cuda_graphs=False, fused_adamw=False), _env(), MoEConfig())
     assert not (off.compile or off.cuda_graphs or off.fused_adamw)
     assert "forced" in _rows(off)["cuda_graphs"][1]
+    assert _rows(off)["fused_adamw"] == ("off", "forced")
     cpu = _env(device_type="cpu", precision="32-true")
     with pytest.raises(
         ValueError, match=r"Execution\(cuda_graphs=True\) needs CUDA with Triton; use cuda_graphs='auto'"
