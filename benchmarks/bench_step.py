@@ -618,9 +618,13 @@ def main() -> None:
             if rank() == 0:
                 traceback.print_exc()
             table.append({"row": label, "GPUs": world(), "status": f"failed: {type(error).__name__}: {error}"[:200]})
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            result = None
+        # The row's trainer, strategy and model hold one another: collect them here, where neither
+        # run_row's locals nor a failure's traceback remain, so the next row starts on free memory.
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        if result is None:
             continue
         tok_s = result["tokens_per_gpu"] / result["seconds"]
         tflops = tok_s * flops_per_token / 1e12
