@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lightning_ep import step_checks
+from lightning_ep import strategy as strategy_module
 from lightning_ep.models import causal_mask
 from lightning_ep.moe import GroupedExperts, MoELayer, RoutedExperts
 from lightning_ep.moe.dispatch import all_to_all as dispatch_ep
@@ -49,6 +50,7 @@ VARIANTS = (
     "hf-mask",
     "grouped-backward",
     "widened-wgrad",
+    "fsdp-one-rank",
 )
 
 _SWIGLU, _SWIGLU_BACKWARD = swiglu.swiglu, swiglu.swiglu_backward
@@ -105,6 +107,13 @@ def _copy_every_row(dst_MH: torch.Tensor, src_MH: torch.Tensor, src_M: torch.Ten
 
 def _sum_copies_by_gather(x_NH: torch.Tensor, inverse_N: torch.Tensor, top_k: int) -> torch.Tensor:
     return x_NH.index_select(0, inverse_N).view(-1, top_k, x_NH.shape[1]).sum(dim=1)
+
+
+_SHARD_MODEL = fsdp.shard_model
+
+
+def _shard_through_fsdp2(*args: Any, in_place_on_one_rank: bool = False, **kwargs: Any) -> Any:
+    return _SHARD_MODEL(*args, **kwargs)
 
 
 _QUEUE_TO_HOST, _BEFORE_STEP = step_checks._queue_to_host, step_checks.StepChecks.before_optimizer_step
@@ -184,7 +193,10 @@ def variant(name: str) -> Iterator[None]:
       to the host, writing fp32 (``GroupedExperts.counts_for_backward``);
     - ``widened-wgrad``: the grouped backward's weight gradients for fp32 masters as the grouped
       GEMM's bf16 widened by a second pass, not written in fp32 by one Triton kernel
-      (``lightning_ep.moe.kernels.grouped_wgrad``).
+      (``lightning_ep.moe.kernels.grouped_wgrad``);
+    - ``fsdp-one-rank``: at world size 1 the dense parameters go through FSDP2 (gathered parameters
+      kept from forward to backward, gradients reduced in their dtype), not used in place
+      (``lightning_ep.parallel.single_rank``).
     """
     patches: dict[str, Any] = {}
     if name in ("unfused-swiglu", "reference"):
@@ -236,6 +248,8 @@ def variant(name: str) -> Iterator[None]:
         patches |= {"_graphs_take_routing": lambda self, tokens, z_weight_T: False}
     if name in ("hf-mask", "reference"):
         patches |= {"mask_is_known": lambda config, args, kwargs: False}
+    if name in ("fsdp-one-rank", "reference"):
+        patches |= {"shard_model": _shard_through_fsdp2}
     modules = (
         combine,
         router,
@@ -254,6 +268,7 @@ def variant(name: str) -> Iterator[None]:
         step_checks.StepChecks,
         MoELayer,
         causal_mask,
+        strategy_module,
     )
     saved = [(m, k, getattr(m, k)) for m in modules for k in patches if k in vars(m)]
     for module, key, _ in saved:

@@ -32,11 +32,16 @@ What each choice does:
   is never an error under ``ExpertParallelStrategy``: that training step runs again with the layer
   on the dynamic plan (``lightning_ep.budget_fallback``), counted in ``moe/budget_reruns``. ``None``:
   the dynamic plan (one host sync per layer).
-- ``single_rank_fsdp``: with one rank in all (world size 1), FSDP2 keeps the gathered dense
-  parameters from forward to backward and reduces gradients in the parameter dtype: no second
-  gather in backward and no fp32 round trip of the gradients, the same bits (a reduction over one
-  rank sums nothing), one more copy of the dense parameters held through the step. Not with
-  gradient accumulation, where FSDP2 sums the micro-batches in its reduce dtype (fp32).
+- ``single_rank_fsdp``: with one rank in all (world size 1), the dense parameters skip FSDP2
+  (``lightning_ep.parallel.single_rank``): DTensors on the one-rank mesh whose local tensors the
+  forward uses in place, or through one fused cast per forward in ``bf16-mixed``, and whose
+  gradients are handed over as they are (cast to fp32 in ``bf16-mixed``). The same bits as FSDP2 (a
+  reduction over one rank sums nothing) without its copies of every dense parameter and gradient;
+  in ``bf16-mixed`` the bf16 copy of the dense parameters is held between steps. Not with gradient
+  accumulation, where FSDP2 sums the micro-batches in its reduce dtype (fp32), nor with activation
+  checkpointing, whose recomputation in backward would read the DTensors. Modules outside the
+  model (a value head) keep FSDP2, with the gathered parameters kept from forward to backward and
+  gradients reduced in the parameter dtype.
 - ``fused_adamw``: a ``torch.optim.AdamW(fused=True)`` is stepped by ``lightning_ep.optim.AdamW``'s
   kernels (torch's fused AdamW bit for bit, one launch per large tensor). A ``torch.optim.AdamW``
   without ``fused=True`` is left alone: its foreach kernels round differently.
@@ -72,9 +77,9 @@ class Execution:
         token_dedup: deduplicate the dropless all-to-all. Auto: off.
         row_budget: static received rows per rank (an int, or ``"auto"`` for the padded all-to-all);
             ``None``: the dynamic plan. Auto is not a default: it is ``None`` unless given.
-        single_rank_fsdp: at world size 1, keep the gathered dense parameters and reduce in their dtype.
-            Auto: on at world size 1 without gradient accumulation, unless ``reshard_after_forward=True``
-            is given to the strategy.
+        single_rank_fsdp: at world size 1, use the dense parameters in place instead of through FSDP2.
+            Auto: on at world size 1 without gradient accumulation or activation checkpointing, unless
+            ``reshard_after_forward=True`` is given to the strategy.
         fused_adamw: step ``torch.optim.AdamW(fused=True)`` with this library's kernels. Auto: on CUDA
             with Triton.
     """
@@ -319,12 +324,14 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
 
 
 def _single_rank_fsdp(option: bool | Auto, env: Environment, rows: list[Choice]) -> bool:
-    """Whether FSDP2 over one rank keeps gathered parameters and reduces in their dtype; adds its row."""
+    """Whether the dense parameters of a one-rank world skip FSDP2; adds its row."""
     blocker = None
     if env.world_size > 1:
         blocker = f"world size 1 ({env.world_size} here)"
     elif env.accumulate_grad_batches > 1:
         blocker = f"no gradient accumulation (accumulate_grad_batches={env.accumulate_grad_batches})"
+    elif env.activation_checkpointing:
+        blocker = "no activation checkpointing"
     elif env.reshard_after_forward is True:
         blocker = "no reshard_after_forward=True"
     if option is True and blocker is not None:
@@ -333,8 +340,7 @@ def _single_rank_fsdp(option: bool | Auto, env: Environment, rows: list[Choice])
         if env.world_size == 1:  # the row only where the choice could apply
             rows.append(Choice("single_rank_fsdp", "off", "forced" if option is False else f"auto: needs {blocker}"))
         return False
-    reduce = " in bf16" if env.precision in ("bf16-mixed", "bf16-true") else ""
-    reason = f"one rank: gathered dense parameters kept, gradients reduced{reduce} (same bits)"
+    reason = "one rank: dense parameters used in place, no FSDP2 copies (same bits)"
     rows.append(Choice("single_rank_fsdp", "on", "forced; " + reason if option is True else reason))
     return True
 

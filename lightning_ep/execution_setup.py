@@ -77,7 +77,8 @@ def _accumulation(strategy: ExpertParallelStrategy) -> int:
 def fsdp_options(strategy: ExpertParallelStrategy) -> dict[str, Any]:
     """FSDP2's ``mp_policy`` and ``reshard_after_forward`` for ``strategy``: bf16 parameters with fp32
     reduction under bf16 precisions, except that on a single rank (``Execution.single_rank_fsdp``) the
-    gathered parameters stay from forward to backward and gradients reduce in bf16, the same bits."""
+    gathered parameters stay from forward to backward and gradients reduce in bf16, the same bits
+    (what modules beside the model get there; the model's own dense parameters skip FSDP2)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     single = strategy.resolved is not None and strategy.resolved.single_rank_fsdp

@@ -293,13 +293,14 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             check_can_checkpoint(hf_model, self.activation_checkpointing)
             enable_checkpointing = hf_model.gradient_checkpointing_enable
             enable_checkpointing(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+        single_rank = self.resolved is not None and self.resolved.single_rank_fsdp
         if self.moe.smp_moe:
             with shown_once(self.global_rank):  # a degree that does not divide the expert count
                 transform(hf_model, layers_config(hf_model, self.resolved, self.moe), mesh=mesh)
-            shard_model(hf_model, mesh, **fsdp_options(self))
+            shard_model(hf_model, mesh, **fsdp_options(self), in_place_on_one_rank=single_rank)
             blocks = decoder_blocks(hf_model)
         else:
-            blocks = shard_named_blocks(hf_model, mesh, **fsdp_options(self))
+            blocks = shard_named_blocks(hf_model, mesh, **fsdp_options(self), in_place_on_one_rank=single_rank)
         if self.resolved is not None and self.resolved.compile:
             compile_for_training(hf_model, blocks)
 

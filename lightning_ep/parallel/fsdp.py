@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.mesh import dense_mesh, expert_data_mesh
+from lightning_ep.parallel.single_rank import keep_dense_local
 
 
 def _fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -35,6 +36,7 @@ def shard_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     shard_experts: bool | None = None,
+    in_place_on_one_rank: bool = False,
 ) -> nn.Module:
     """Apply FSDP2 to a model whose MoE layers were parallelised by ``transform(..., mesh=mesh)``.
 
@@ -47,7 +49,9 @@ def shard_model(
       then left out of FSDP2 (their DTensors on ``ep`` need no reduction), and their
       ``compute_dtype`` is set to ``mp_policy.param_dtype`` so the matmuls run in the same dtype.
     - Each decoder layer, then the output projection (see ``output_head``), then the root, is
-      sharded over ``("replicate", "shard")``: HSDP when the replicate degree is above 1.
+      sharded over ``("replicate", "shard")``: HSDP when the replicate degree is above 1. With
+      ``in_place_on_one_rank`` and one rank in all, ``keep_dense_local`` replaces FSDP2 there: the
+      same numbers without FSDP2's copies of every dense parameter and gradient.
 
     Every trainable parameter ends up a DTensor; a ``RuntimeError`` says which one did not.
 
@@ -58,6 +62,8 @@ def shard_model(
         reshard_after_forward: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2).
         shard_experts: apply FSDP2 to the experts; ``None`` (default) does so only when they have
             expert-data-parallel ranks (``replicate x edp > 1``). Both give the same numbers.
+        in_place_on_one_rank: keep the dense parameters out of FSDP2 (``keep_dense_local``); only
+            with one rank in all (a ``ValueError`` otherwise).
     """
     kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
@@ -89,12 +95,28 @@ def shard_model(
     if unsharded:
         kwargs["ignored_params"] = unsharded
     shard_mesh = _fsdp_mesh(dense_mesh(mesh))
-    for block in decoder_blocks(model):
-        if not isinstance(block, FSDPModule):
-            fully_shard(block, mesh=shard_mesh, **kwargs)
-    _shard_head_and_root(model, shard_mesh, kwargs)
+    if in_place_on_one_rank:
+        _keep_local(model, shard_mesh, mp_policy, decoder_blocks(model))
+    else:
+        for block in decoder_blocks(model):
+            if not isinstance(block, FSDPModule):
+                fully_shard(block, mesh=shard_mesh, **kwargs)
+        _shard_head_and_root(model, shard_mesh, kwargs)
     check_all_sharded(model)
     return model
+
+
+def _keep_local(
+    model: nn.Module, shard_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None, blocks: list[nn.Module]
+) -> None:
+    if shard_mesh.size() != 1:
+        raise ValueError(
+            f"in_place_on_one_rank=True needs one rank in all, but the dense parameters span {shard_mesh.size()} "
+            "ranks; leave it False there (FSDP2 shards them)."
+        )
+    head = output_head(model)
+    units = [*blocks, *([head] if head is not None else [])]
+    keep_dense_local(model, shard_mesh, compute_dtype=mp_policy.param_dtype if mp_policy else None, units=units)
 
 
 def output_head(model: nn.Module) -> nn.Module | None:
@@ -144,11 +166,12 @@ def shard_named_blocks(
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    in_place_on_one_rank: bool = False,
 ) -> list[nn.Module]:
     """FSDP2 for a model that keeps its own MoE blocks (``MoEConfig(smp_moe=False)``): each module
     whose class is named in the model's ``_no_split_modules`` (Hugging Face's decoder layers), then
     the output projection and the root, over ``("replicate", "shard")`` like ``shard_model``'s
-    dense part.
+    dense part; with ``in_place_on_one_rank`` (one rank in all), ``keep_dense_local`` instead.
 
     Returns:
         The blocks sharded, in module order.
@@ -159,6 +182,9 @@ def shard_named_blocks(
     shard_mesh = _fsdp_mesh(dense_mesh(mesh))
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if in_place_on_one_rank:
+        _keep_local(model, shard_mesh, mp_policy, blocks)
+        return blocks
     for block in blocks:
         fully_shard(block, mesh=shard_mesh, **kwargs)
     _shard_head_and_root(model, shard_mesh, kwargs)

@@ -286,15 +286,20 @@ def run_trainer(args: argparse.Namespace) -> dict:
         "degree": strategy.degree,
         "checkpointed": bool(checkpointed),
         "keep_all_to_all": bool(kept) and all(kept),  # set on every layer, nothing left pending
-        "fsdp": _fsdp_settings(decoder_blocks(module.model)[0]),
+        "fsdp": _fsdp_settings(module.model, decoder_blocks(module.model)[0]),
         "weights_sha256": _weights_digest(module.model),
         **_beside_results(module.value_head, module.frozen),
     }
 
 
-def _fsdp_settings(block: torch.nn.Module) -> dict:
+def _fsdp_settings(model: torch.nn.Module, block: torch.nn.Module) -> dict:
     """What FSDP2 does with ``block``: whether it frees the gathered parameters after forward, and
-    the dtype it reduces gradients in (``None``: the parameters' compute dtype)."""
+    the dtype it reduces gradients in (``None``: the parameters' compute dtype); ``{"in_place": True}``
+    where the dense parameters skip FSDP2 (``lightning_ep.parallel.single_rank``)."""
+    from lightning_ep.parallel.single_rank import is_kept_local
+
+    if is_kept_local(model):
+        return {"in_place": True}
     group = block._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
     reduce = group.mp_policy.reduce_dtype
     return {"reshard_after_forward": group.post_forward_mesh_info is not None, "reduce_dtype": str(reduce)}

@@ -66,22 +66,20 @@ def test_one_gpu_gets_compile_graphs_and_the_fused_adamw() -> None:
     assert rows["exchange"][0] == "local"
     assert rows["cuda_graphs"] == ("on", "auto")
     assert resolved.single_rank_fsdp
-    assert rows["single_rank_fsdp"] == (
-        "on",
-        "one rank: gathered dense parameters kept, gradients reduced in bf16 (same bits)",
-    )
+    assert rows["single_rank_fsdp"] == ("on", "one rank: dense parameters used in place, no FSDP2 copies (same bits)")
     layers = resolved.moe_config(MoEConfig())
     assert layers.cuda_graphs and not layers.token_dedup and not layers.symmetric_memory_dispatch
 
 
 def test_single_rank_fsdp_applies_only_where_it_keeps_the_bits() -> None:
-    """On at world size 1 (CPU too); off, with the reason, under gradient accumulation or an explicit
-    ``reshard_after_forward=True``; no row above world size 1; forcing it where it cannot apply is refused."""
+    """On at world size 1 (CPU too); off, with the reason, under gradient accumulation, activation
+    checkpointing or an explicit ``reshard_after_forward=True``; no row above world size 1; forcing it
+    where it cannot apply is refused."""
     cpu = resolve(Execution(), _env(device_type="cpu", precision="32-true"), MoEConfig())
     assert cpu.single_rank_fsdp
     assert _rows(cpu)["single_rank_fsdp"] == (
         "on",
-        "one rank: gathered dense parameters kept, gradients reduced (same bits)",
+        "one rank: dense parameters used in place, no FSDP2 copies (same bits)",
     )
     accumulating = resolve(Execution(), _env(accumulate_grad_batches=4), MoEConfig())
     assert not accumulating.single_rank_fsdp
@@ -89,6 +87,8 @@ def test_single_rank_fsdp_applies_only_where_it_keeps_the_bits() -> None:
         "off",
         "auto: needs no gradient accumulation (accumulate_grad_batches=4)",
     )
+    checkpointed = resolve(Execution(), _env(activation_checkpointing=True), MoEConfig())
+    assert _rows(checkpointed)["single_rank_fsdp"] == ("off", "auto: needs no activation checkpointing")
     explicit = resolve(Execution(), _env(reshard_after_forward=True), MoEConfig())
     assert _rows(explicit)["single_rank_fsdp"] == ("off", "auto: needs no reshard_after_forward=True")
     assert resolve(Execution(), _env(reshard_after_forward=False), MoEConfig()).single_rank_fsdp
@@ -102,6 +102,7 @@ def test_single_rank_fsdp_applies_only_where_it_keeps_the_bits() -> None:
         (_env(devices_per_node=2), "world size 1 (2 here)"),
         (_env(num_nodes=2), "world size 1 (2 here)"),
         (_env(accumulate_grad_batches=2), "no gradient accumulation (accumulate_grad_batches=2)"),
+        (_env(activation_checkpointing="keep_all_to_all"), "no activation checkpointing"),
         (_env(reshard_after_forward=True), "no reshard_after_forward=True"),
     ]:
         with pytest.raises(ValueError, match=rf"single_rank_fsdp=True\) needs {re.escape(needs)}; use"):

@@ -1,0 +1,172 @@
+"""``keep_dense_local``: a one-rank world's dense parameters, used in place instead of through FSDP2.
+
+With one rank in all, FSDP2 has nothing to gather or reduce, yet each step it still copies every
+dense parameter into its all-gather buffer and out into the unsharded parameters before forward,
+concatenates the gradients into a reduce buffer and copies them out after backward, and in
+``bf16-mixed`` casts them through torch's element-wise copy loop. ``keep_dense_local`` gives the
+same numbers without those copies:
+
+- Each dense parameter becomes a DTensor on the one-rank mesh (``Shard(0)``, as FSDP2 would shard
+  it), so checkpoints, clipping, the optimizer and ``check_all_sharded`` see what they see under
+  FSDP2.
+- Before the model's forward, each slot of the model holds a plain ``nn.Parameter`` standing for
+  its DTensor: in the DTensor's own dtype, that parameter is the local tensor itself (no copy); in
+  another compute dtype (``bf16-mixed``'s bf16 beside fp32 weights), a kept buffer refreshed by
+  one fused cast per forward. After the forward, the DTensors are back in their slots.
+- As backward accumulates each stand-in's gradient, a hook hands it to the DTensor (as a view, or
+  cast to the DTensor's dtype) and clears the stand-in's: the gradient FSDP2's reduction over one
+  rank would give, bit for bit, and accumulated the same way when several backwards precede a step.
+- Floating inputs of the root, the given units (the decoder layers, the output head) are cast to
+  the compute dtype, as FSDP2's ``MixedPrecisionPolicy(cast_forward_inputs=True)`` casts them.
+
+Costs: one fused cast of the dense parameters per forward in ``bf16-mixed`` (none in ``bf16-true``
+or fp32), with their bf16 copy held between steps; a few microseconds of host time per parameter
+per step. The model's weights are read through its forward: a module called on its own, outside
+the model's forward, sees DTensors (FSDP2 has the same rule for its units).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.utils import _apply_to_tensors
+
+_STATE = "_lightning_ep_single_rank"
+
+
+class _LocalParameters:
+    """The stand-ins of one model's dense DTensor parameters, swapped into its slots around forward."""
+
+    def __init__(self, slots: list[list[tuple[nn.Module, str]]], compute_dtype: torch.dtype | None) -> None:
+        self.slots = slots  # per DTensor parameter: every (module, name) holding it (tied weights: several)
+        self.compute_dtype = compute_dtype
+        self.params: list[DTensor] = [module._parameters[name] for module, name in (s[0] for s in slots)]  # type: ignore[misc]
+        self.stand_ins: list[nn.Parameter | None] = [None] * len(slots)
+        self.swapped = False
+
+    def swap_in(self, _module: nn.Module, _args: Any) -> None:
+        if self.swapped:  # a nested call of the root: the stand-ins are in place already
+            return
+        casts: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for i, slots in enumerate(self.slots):
+            module, name = slots[0]
+            param = module._parameters[name]
+            assert isinstance(param, DTensor), f"{name} of {type(module).__name__} is no longer a DTensor"
+            self.params[i] = param
+            local = param._local_tensor
+            stand_in = self._stand_in(i, param, local)
+            if stand_in.dtype != local.dtype:
+                casts[0].append(stand_in.data)
+                casts[1].append(local)
+            for module, name in slots:
+                module._parameters[name] = stand_in
+        if casts[0]:
+            with torch.no_grad():
+                torch._foreach_copy_(casts[0], casts[1])
+        self.swapped = True
+
+    def _stand_in(self, i: int, param: DTensor, local: torch.Tensor) -> nn.Parameter:
+        """The kept stand-in of parameter ``i``, rebuilt when its DTensor was replaced or moved."""
+        dtype = self.compute_dtype if self.compute_dtype is not None and local.is_floating_point() else local.dtype
+        stand_in = self.stand_ins[i]
+        if dtype == local.dtype:
+            fresh = stand_in is None or stand_in.data_ptr() != local.data_ptr() or stand_in.shape != local.shape
+        else:
+            fresh = stand_in is None or stand_in.dtype != dtype or stand_in.shape != local.shape
+            fresh = fresh or stand_in.device != local.device  # type: ignore[union-attr]
+        if fresh or stand_in.requires_grad != param.requires_grad:  # type: ignore[union-attr]
+            data = local if dtype == local.dtype else torch.empty_like(local, dtype=dtype)
+            stand_in = nn.Parameter(data, requires_grad=param.requires_grad)
+            if param.requires_grad:
+                stand_in.register_post_accumulate_grad_hook(functools.partial(self._hand_over, i))
+            self.stand_ins[i] = stand_in
+        return stand_in  # type: ignore[return-value]
+
+    def swap_out(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        for param, slots in zip(self.params, self.slots, strict=True):
+            for module, name in slots:
+                module._parameters[name] = param  # type: ignore[assignment]
+        self.swapped = False
+
+    def _hand_over(self, i: int, stand_in: torch.Tensor) -> None:
+        """Move ``stand_in``'s accumulated gradient onto DTensor ``i`` (its dtype), accumulating there."""
+        grad = stand_in.grad
+        stand_in.grad = None
+        if grad is None:
+            return
+        param = self.params[i]
+        grad = grad.to(param.dtype)
+        if param.grad is None:
+            param.grad = DTensor(grad, param._spec, requires_grad=False)  # type: ignore[call-arg]
+        else:
+            param.grad._local_tensor.add_(grad)  # type: ignore[attr-defined]
+
+
+def keep_dense_local(
+    model: nn.Module, mesh: DeviceMesh, *, compute_dtype: torch.dtype | None = None, units: Sequence[nn.Module] = ()
+) -> nn.Module:
+    """Make every parameter of ``model`` that is not a DTensor yet one on the one-rank ``mesh`` and
+    let the forward use it in place (see the module docstring). Idempotent.
+
+    Args:
+        model: the model whose forward reads the weights (the root a LightningModule calls).
+        mesh: a one-rank mesh (the dense mesh of a world of one).
+        compute_dtype: the dtype the forward computes in (FSDP2's ``MixedPrecisionPolicy.param_dtype``);
+            ``None``: each parameter's own. Floating inputs of ``model`` and of each of ``units`` are
+            cast to it.
+        units: the modules FSDP2 would have made units of (decoder layers, the output head).
+    Raises:
+        ValueError: if ``mesh`` has more than one rank.
+    """
+    if mesh.size() != 1:
+        raise ValueError(
+            f"keep_dense_local needs a one-rank mesh (it has {mesh.size()} ranks); shard with FSDP2 instead."
+        )
+    if hasattr(model, _STATE):
+        return model
+    converted: dict[int, DTensor] = {}
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or isinstance(param, DTensor):
+                continue
+            key = id(param)
+            if key not in converted:
+                placement = Shard(0) if param.ndim else Replicate()
+                local = DTensor.from_local(param.detach(), mesh, [placement], run_check=False)
+                converted[key] = nn.Parameter(local, requires_grad=param.requires_grad)  # type: ignore[assignment]
+                slots[key] = []
+            module._parameters[name] = converted[key]  # type: ignore[assignment]
+            slots[key].append((module, name))
+    state = _LocalParameters(list(slots.values()), compute_dtype)
+    model.register_forward_pre_hook(state.swap_in)
+    model.register_forward_hook(state.swap_out, always_call=True)
+    if compute_dtype is not None:
+        cast = functools.partial(_cast_inputs, compute_dtype)
+        for unit in {id(u): u for u in (model, *units)}.values():
+            unit.register_forward_pre_hook(cast, with_kwargs=True)
+    setattr(model, _STATE, state)
+    return model
+
+
+def _cast_inputs(dtype: torch.dtype, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+
+
+def is_kept_local(model: nn.Module) -> bool:
+    """Whether ``keep_dense_local`` manages ``model``'s dense parameters."""
+    return hasattr(model, _STATE)
+
+
+__all__ = ["is_kept_local", "keep_dense_local"]
