@@ -112,3 +112,21 @@ def test_automatic_compile_agrees_to_bf16_rounding(single_process: None) -> None
     # bf16 parameters and activations: the compiled norms' reordered sums move the loss by a few bf16 ulps.
     for mine, theirs in zip(auto_losses, off_losses, strict=True):
         assert abs(mine - theirs) <= 2e-2 * abs(theirs), (auto_losses, off_losses)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_dense_parameters_in_place_give_the_bits_of_fsdp2(single_process: None, precision: str) -> None:
+    """The defaults on one GPU (compile, CUDA graphs that take the routing, so the router's weight and
+    its gradient pass through the graphs' buffers) with the dense parameters used in place: the
+    losses and weights of the FSDP2 path of larger worlds (``single_rank_fsdp=False``), bit for bit."""
+    from lightning_ep import Execution
+    from lightning_ep.parallel.single_rank import is_kept_local
+
+    local_losses, local_params, local = _fit(Execution(), "sinkhorn", precision=precision)
+    assert local.resolved.single_rank_fsdp and is_kept_local(local._hf_model)
+    assert local.resolved.compile and local.captured
+    fsdp_losses, fsdp_params, fsdp = _fit(Execution(single_rank_fsdp=False), "sinkhorn", precision=precision)
+    assert not is_kept_local(fsdp._hf_model)
+    assert local_losses == fsdp_losses
+    for name, value in fsdp_params.items():
+        assert torch.equal(local_params[name], value), name
