@@ -28,6 +28,7 @@ the model's forward, sees DTensors (FSDP2 has the same rule for its units).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,8 +84,8 @@ class _LocalParameters:
         if fresh or stand_in.requires_grad != param.requires_grad:  # type: ignore[union-attr]
             data = local if dtype == local.dtype else torch.empty_like(local, dtype=dtype)
             stand_in = nn.Parameter(data, requires_grad=param.requires_grad)
-            if param.requires_grad:
-                stand_in.register_post_accumulate_grad_hook(functools.partial(self._hand_over, i))
+            if param.requires_grad:  # through a weak reference: the hook lives in C++, out of gc's sight
+                stand_in.register_post_accumulate_grad_hook(functools.partial(_hand_over, weakref.ref(self), i))
             self.stand_ins[i] = stand_in
         return stand_in  # type: ignore[return-value]
 
@@ -94,7 +95,7 @@ class _LocalParameters:
                 module._parameters[name] = param  # type: ignore[assignment]
         self.swapped = False
 
-    def _hand_over(self, i: int, stand_in: torch.Tensor) -> None:
+    def hand_over(self, i: int, stand_in: torch.Tensor) -> None:
         """Move ``stand_in``'s accumulated gradient onto DTensor ``i`` (its dtype), accumulating there."""
         grad = stand_in.grad
         stand_in.grad = None
@@ -106,6 +107,12 @@ class _LocalParameters:
             param.grad = DTensor(grad, param._spec, requires_grad=False)  # type: ignore[call-arg]
         else:
             param.grad._local_tensor.add_(grad)  # type: ignore[attr-defined]
+
+
+def _hand_over(state: weakref.ref[_LocalParameters], i: int, stand_in: torch.Tensor) -> None:
+    local = state()
+    if local is not None:
+        local.hand_over(i, stand_in)
 
 
 def keep_dense_local(

@@ -4,6 +4,8 @@ dense parameters used in place give FSDP2's numbers bit for bit; above it, the o
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -118,6 +120,18 @@ def run_in_place_follows_new_weights(rank: int, world: int) -> None:
         assert torch.equal(model(input_ids=ids).logits, _sharded(1, torch.float32)(input_ids=ids).logits)
         model.to(torch.bfloat16)
         assert torch.equal(model(input_ids=ids).logits, _sharded(1, torch.bfloat16)(input_ids=ids).logits)
+
+
+def run_in_place_is_freed_with_its_model(rank: int, world: int) -> None:
+    """A trained model in place, dropped, is freed by the garbage collector with its weights: the
+    gradient hooks, which live in C++ out of the collector's sight, hold no strong reference back."""
+    model = _pair("bf16-mixed")[1]
+    ids = micro_batch(0, rank)
+    model(input_ids=ids, labels=ids).loss.backward()
+    weight = weakref.ref(model.model.embed_tokens.weight)
+    del model
+    gc.collect()
+    assert weight() is None, "the model's weights outlived it"
 
 
 def run_in_place_refused_above_one_rank(rank: int, world: int) -> None:

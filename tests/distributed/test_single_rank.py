@@ -7,6 +7,7 @@ import pytest
 from harness import spawn
 from single_rank_workers import (
     run_in_place_follows_new_weights,
+    run_in_place_is_freed_with_its_model,
     run_in_place_matches_fsdp2,
     run_in_place_refused_above_one_rank,
 )
@@ -23,6 +24,10 @@ def test_in_place_matches_fsdp2(precision: str, tied: bool) -> None:
 
 def test_in_place_follows_new_weights() -> None:
     spawn(run_in_place_follows_new_weights, 1)
+
+
+def test_in_place_is_freed_with_its_model() -> None:
+    spawn(run_in_place_is_freed_with_its_model, 1)
 
 
 def test_in_place_is_refused_above_one_rank() -> None:
