@@ -17,7 +17,7 @@ from workers import micro_batch, tiny_mixtral
 import lightning_ep
 from lightning_ep import MoEConfig
 from lightning_ep.parallel.fsdp import check_all_sharded
-from lightning_ep.parallel.single_rank import is_kept_local
+from lightning_ep.parallel.single_rank import is_kept_local, keep_dense_local
 
 
 def _pair(precision: str, **overrides: object) -> list[nn.Module]:
@@ -139,3 +139,5 @@ def run_in_place_refused_above_one_rank(rank: int, world: int) -> None:
     model = lightning_ep.transform(tiny_mixtral(), MoEConfig(), mesh=mesh)
     with pytest.raises(ValueError, match=r"in_place_on_one_rank=True needs one rank in all, but the dense parameters"):
         lightning_ep.shard_model(model, mesh, in_place_on_one_rank=True)
+    with pytest.raises(ValueError, match=rf"keep_dense_local needs a one-rank mesh \(it has {world} ranks\)"):
+        keep_dense_local(model, mesh["ep"])
