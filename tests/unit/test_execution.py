@@ -295,3 +295,12 @@ def test_expert_elements_reads_the_model_on_the_meta_device() -> None:
         model = MixtralForCausalLM(config)
     assert expert_elements(model) == 2 * 48 * 64
     assert expert_elements(torch.nn.Linear(4, 4)) == 0
+
+
+def test_the_readme_shows_the_table_of_one_gpu() -> None:
+    """The setup table in the README is what one GPU in bf16-mixed prints, line for line."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = resolve(Execution(), _env(), MoEConfig()).table()
+    assert f"```\n{table}\n```" in readme, table
