@@ -13,7 +13,7 @@ import pickle
 import shutil
 import warnings
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -117,28 +117,39 @@ def export_hf(
         from lightning_ep.models.peft_lora import check_peft_model
 
         lora_config = check_peft_model(source)
-    distributed = dist.is_available() and dist.is_initialized()
     state = _gather_full_state(source) if isinstance(source, nn.Module) else None
+
+    def write() -> None:
+        full = state if state is not None else _read_checkpoint(source)  # type: ignore[arg-type]
+        names_prefix = prefix
+        if lora_config is not None:
+            from lightning_ep.models.lora_export import merged_state
+
+            full, names_prefix = merged_state(full, config, lora_config, prefix, merge=merge_lora), ""
+        _write_folder(full, out_dir, config, names_prefix, hf_config_or_folder)
+
+    write_on_rank_zero(write, "export_hf")
+    return out_dir
+
+
+def write_on_rank_zero(write: Callable[[], None], name: str) -> None:
+    """Run ``write`` on rank 0 (or in a process alone), then tell every rank how it went (one
+    broadcast): rank 0 raises its own error, the other ranks a ``RuntimeError`` that names ``name``
+    and quotes it, so that no rank returns as if the folder had been written."""
+    distributed = dist.is_available() and dist.is_initialized()
     error: BaseException | None = None
     if not distributed or dist.get_rank() == 0:
         try:
-            if state is None:
-                state = _read_checkpoint(source)  # type: ignore[arg-type]
-            if lora_config is not None:
-                from lightning_ep.models.lora_export import merged_state
-
-                state, prefix = merged_state(state, config, lora_config, prefix, merge=merge_lora), ""
-            _write_folder(state, out_dir, config, prefix, hf_config_or_folder)
+            write()
         except Exception as err:  # re-raised below, after telling the other ranks
             error = err
     if distributed:
         message = [None if error is None else f"{type(error).__name__}: {error}"]
         dist.broadcast_object_list(message, src=0)
         if error is None and message[0] is not None:
-            raise RuntimeError(f"export_hf failed on rank 0: {message[0]}")
+            raise RuntimeError(f"{name} failed on rank 0: {message[0]}")
     if error is not None:
         raise error
-    return out_dir
 
 
 def _check_out_dir(out_dir: Path) -> None:

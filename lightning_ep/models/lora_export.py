@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_ep.models.peft_lora import check_peft_model, stacked_to_peft
@@ -149,7 +148,13 @@ def export_lora_adapter(
     Returns:
         ``out_dir`` as a ``Path``, on every rank.
     """
-    from lightning_ep.models.hf_export import _check_out_dir, _gather_full_state, _hf_config, _read_checkpoint
+    from lightning_ep.models.hf_export import (
+        _check_out_dir,
+        _gather_full_state,
+        _hf_config,
+        _read_checkpoint,
+        write_on_rank_zero,
+    )
 
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
@@ -164,26 +169,16 @@ def export_lora_adapter(
     lora_config = lora_config_from(lora_config)
     if isinstance(hf_config_or_folder, (str, os.PathLike)) and Path(hf_config_or_folder).is_dir():
         lora_config.base_model_name_or_path = str(hf_config_or_folder)
-    distributed = dist.is_available() and dist.is_initialized()
     state = _gather_full_state(source) if isinstance(source, nn.Module) else None
-    error: BaseException | None = None
-    if not distributed or dist.get_rank() == 0:
-        try:
-            if state is None:
-                state = _read_checkpoint(source)  # type: ignore[arg-type]
-            peft_model = meta_peft_model(hf_config, lora_config)
-            adapter = peft_state(state, peft_model, prefix, adapter_only=True)
-            peft_model.load_state_dict(adapter, strict=False, assign=True)
-            peft_model.save_pretrained(str(out_dir))
-        except Exception as err:  # re-raised below, after telling the other ranks
-            error = err
-    if distributed:
-        message = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(message, src=0)
-        if error is None and message[0] is not None:
-            raise RuntimeError(f"export_lora_adapter failed on rank 0: {message[0]}")
-    if error is not None:
-        raise error
+
+    def write() -> None:
+        full = state if state is not None else _read_checkpoint(source)  # type: ignore[arg-type]
+        peft_model = meta_peft_model(hf_config, lora_config)
+        adapter = peft_state(full, peft_model, prefix, adapter_only=True)
+        peft_model.load_state_dict(adapter, strict=False, assign=True)
+        peft_model.save_pretrained(str(out_dir))
+
+    write_on_rank_zero(write, "export_lora_adapter")
     return out_dir
 
 
