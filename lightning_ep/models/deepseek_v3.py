@@ -10,7 +10,6 @@ Experts: fused SwiGLU; ``shared_experts`` (one dense MLP) is added on every toke
 ``mlp.experts.E.{gate_proj,up_proj,down_proj}.weight``.
 """
 
-from lightning_ep.models.qwen2_moe import QWEN2_MOE_DISK_DOWN, QWEN2_MOE_DISK_GATE_UP
 from lightning_ep.models.registry import MoEFamily, register
 
 DEEPSEEK_V3 = register(
@@ -28,7 +27,5 @@ DEEPSEEK_V3 = register(
         routed_scaling_factor="routed_scaling_factor",
         activation="hidden_act",
         shared_experts="shared_experts",
-        disk_gate_up_proj=QWEN2_MOE_DISK_GATE_UP,
-        disk_down_proj=QWEN2_MOE_DISK_DOWN,
     )
 )

@@ -1,7 +1,8 @@
 """GPT-OSS (``GptOssMLP``): the router (child ``router``, with a logit ``bias``) takes the top-k of
 its logits, then the softmax over those ``K``; experts in the transposed, interleaved layout with
 biases and the clamped SwiGLU (``InterleavedGLUExperts``). Checkpoints store the fused tensors
-under their in-memory names, so there are no on-disk key fields.
+under their in-memory names; OpenAI's releases store the experts in MXFP4 (``*_blocks`` /
+``*_scales``, ``[E, out, in/32, 16]``), which ``models.hf_io`` dequantizes and transposes.
 """
 
 from __future__ import annotations

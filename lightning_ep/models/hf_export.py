@@ -80,7 +80,8 @@ def export_hf(
     (``load_state_dict(strict=True, assign=True)``, re-tying tied embeddings) and is written with
     ``save_pretrained``, which splits fused experts back into the family's per-expert on-disk keys
     (Mixtral: ``block_sparse_moe.experts.{e}.w1/w2/w3.weight``). Tokenizer and generation files of
-    ``hf_config_or_folder`` are copied along.
+    ``hf_config_or_folder`` are copied along. When that config is of a quantized release (FP8,
+    MXFP4), the folder holds the weights in bf16 and a config without ``quantization_config``.
 
     Args:
         source: a model, a state dict, or a checkpoint path (see above).
@@ -267,6 +268,11 @@ def _write_folder(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
+    if getattr(config, "quantization_config", None) is not None:
+        # A model loaded from an FP8 / MXFP4 folder holds dequantized weights: write them in bf16.
+        delattr(config, "quantization_config")
+        config.dtype = torch.bfloat16
+        state = {k: v.to(torch.bfloat16) if torch.is_floating_point(v) else v for k, v in state.items()}
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
     expected = {key: tuple(t.shape) for key, t in hf_model.state_dict().items()}

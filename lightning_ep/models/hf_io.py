@@ -1,111 +1,53 @@
 """Hugging Face checkpoints in and out of expert-parallel, FSDP2-sharded models.
 
-- ``load_pretrained_sharded(model, folder)``: every rank reads from a ``save_pretrained`` folder
-  only the rows its own shards hold (positioned reads, see ``safetensors_reader``), fusing
-  per-expert on-disk matrices (Mixtral, the Qwen-MoE, OLMoE and DeepSeek-V3 families) into the
-  in-memory ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` on the fly; fused on-disk
-  tensors (GPT-OSS, biases included) are sliced like any other.
+- ``load_pretrained_sharded(model, folder)``: every rank reads from a Hugging Face folder, as
+  ``save_pretrained`` writes it or as a publisher ships it (per-expert keys, FP8 block-scaled
+  weights, MXFP4 experts, extra multi-token-prediction layers), only the blocks its own shards hold,
+  dequantizing them into the model's dtype. Names and fusion follow transformers' own conversion
+  rules; ``hf_layout`` maps the folder onto the model, ``hf_stored`` reads its tensors,
+  ``quantized`` holds the formats.
 - ``export_hf(source, out_dir, hf_config_or_folder=...)`` (defined in ``hf_export``): a live
   sharded model, a Lightning checkpoint (sharded DCP directory or full file) or a state dict,
   written as a folder that ``AutoModelForCausalLM.from_pretrained`` loads on one process.
 
 Legend: E experts, I expert intermediate size, H hidden size; a fused expert weight is
-``[E, R, C]`` and is stored per expert as parts ``[R_p, C]`` stacked along the rows.
+``[E, R, C]`` and may be stored per expert as parts ``[R_p, C]`` stacked along the rows.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import warnings
 from dataclasses import dataclass
-from itertools import groupby
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_ep.models.hf_export import LIBRARY_BUFFERS, PathLike, detect_prefix, export_hf
-from lightning_ep.models.registry import FAMILIES, supported_model_types
-from lightning_ep.models.safetensors_reader import TensorEntry, read_block, read_header
+from lightning_ep.models.hf_layout import FolderLayout, Stacked, Whole, layout, source_keys, source_shape
+from lightning_ep.models.hf_stored import Encoded, Opener
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-
-@dataclass(frozen=True)
-class _DiskLayout:
-    """Where a state-dict key lives in ``save_pretrained`` files (from ``MoEFamily.disk_*``)."""
-
-    renames: tuple[tuple[str, str], ...] = ()
-    # (fused path inside the block, per-expert part paths with "{e}")
-    experts: tuple[tuple[str, tuple[str, ...]], ...] = ()
-
-    @classmethod
-    def of(cls, model: nn.Module) -> _DiskLayout:
-        supported_model_types()  # imports (registers) the adapters
-        family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))  # type: ignore[arg-type]
-        if family is None:  # not an MoE family we adapt: on-disk keys are the in-memory keys
-            return cls()
-        experts = ((family.gate_up_proj, family.disk_gate_up_proj), (family.down_proj, family.disk_down_proj))
-        return cls(family.disk_renames, tuple((fused, parts) for fused, parts in experts if parts))
-
-    def disk_key(self, key: str) -> str:
-        for old, new in self.renames:
-            key = key.replace(old, new)
-        return key
-
-    def expert_keys(self, key: str) -> Callable[[int], list[str]] | None:
-        """For a fused expert weight, ``e -> [on-disk key of each part of expert e]``."""
-        for fused, parts in self.experts:
-            if key.endswith("." + fused):
-                return _per_expert_keys(self.disk_key(key[: -len(fused)]), parts)
-        return None
-
-
-def _per_expert_keys(block: str, parts: tuple[str, ...]) -> Callable[[int], list[str]]:
-    def keys_of(e: int) -> list[str]:
-        return [block + part.format(e=e) for part in parts]
-
-    return keys_of
-
-
-class _Folder:
-    """Keys, files and shapes of the safetensors weights of a ``save_pretrained`` folder.
-
-    Only the files' headers are read.
-    """
-
-    def __init__(self, folder: Path) -> None:
-        if (folder / INDEX_FILE).is_file():
-            names = sorted(set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values()))
-        elif (folder / SINGLE_FILE).is_file():
-            names = [SINGLE_FILE]
-        else:
-            raise ValueError(
-                f"load_pretrained_sharded(folder={str(folder)!r}): the folder holds neither {SINGLE_FILE} "
-                f"nor {INDEX_FILE}; pass a folder written by save_pretrained (safetensors, the default)."
-            )
-        self.entry: dict[str, TensorEntry] = {}
-        for name in names:
-            self.entry.update(read_header(folder / name))
-        self.shape = {key: entry.shape for key, entry in self.entry.items()}
+# Rows of a block dequantized and copied at a time: bounds the transient fp32 copy of a large block.
+CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
 class _Read:
-    """Copy ``tensor[src]`` of the file into ``dst`` (a view of this rank's local shard)."""
+    """Copy the block ``box`` of the stored value ``source`` into ``dst`` (a view of a local shard)."""
 
-    tensor: TensorEntry
-    src: tuple[slice, ...]
+    source: Encoded
+    box: tuple[slice, ...]
     dst: torch.Tensor
 
 
 @torch.no_grad()
 def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
-    """Fill a sharded model's weights from a Hugging Face ``save_pretrained`` folder, each rank
-    reading only the rows of the shards it holds.
+    """Fill a sharded model's weights from a Hugging Face folder, each rank reading only the blocks of
+    the shards it holds.
 
     ``model`` is typically built on the meta device, then ``lightning_ep.transform(model, config,
     mesh=mesh)``, ``lightning_ep.shard_model(model, mesh)`` and
@@ -114,51 +56,60 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
     ``("replicate", "shard")``; experts ``Shard(1)`` on ``edp`` and ``Shard(0)`` on ``ep``, uneven
     shards included). Plain (unsharded) tensors are filled whole, so one process works too.
 
+    The folder may be laid out as its publisher ships it:
+
+    - per-expert keys (Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``, the Qwen/OLMoE/DeepSeek/
+      GLM ``mlp.experts.{e}.gate_proj/up_proj/down_proj``) or fused ones; names and fusion come
+      from transformers' conversion rules for the model (``hf_layout``);
+    - FP8 weights with per-block ``weight_scale_inv`` (``quantization_config.weight_block_size``,
+      partial last blocks, fp32 or E8M0 scales) and MXFP4 experts (``*_blocks`` / ``*_scales``,
+      GPT-OSS's transposed layout), dequantized on the rank that owns the block, into the model's
+      dtype, at most ``CHUNK_BYTES`` of rows at a time;
+    - weights transformers ignores for the architecture (multi-token-prediction layers past
+      ``num_hidden_layers``, the class's ``_keys_to_ignore_on_load_unexpected``): skipped, and
+      named in one warning on rank 0.
+
     For every parameter and persistent buffer, the rank computes its local block's global offset
-    from the mesh and placements and reads exactly that block from the safetensors file (one
-    positioned read per contiguous run, no memory map: see ``safetensors_reader``). Fused experts
-    are assembled from the on-disk per-expert matrices given by the model family's table
-    (Mixtral: ``...block_sparse_moe.experts.{e}.w1`` ``[I, H]`` = gate rows, then ``w3`` = up rows
-    of ``gate_up_proj [E, 2I, H]``; ``w2`` ``[H, I]`` is ``down_proj[e]``; the Qwen-MoE family:
-    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``). Besides its own
-    shards, a rank's host memory holds one block being read at a time, never the full model. No
-    collective is called. Tied weights are read once; this library's ``expert_bias`` buffers keep
-    their values (Hugging Face checkpoints have none).
+    from the mesh and placements and reads exactly that block with ``safetensors``' ``get_slice``
+    (and the scales covering it). Besides its own shards, a rank's host memory holds the block being
+    read and at most ``hf_stored.Opener.MAPPED_BYTES`` of mapped file pages, never the full model or
+    a full tensor. No collective is called. Tied weights are read once; this library's
+    ``expert_bias`` buffers keep their values (Hugging Face checkpoints have none); PEFT LoRA
+    factors keep their initial values.
 
     Args:
         model: a materialised Hugging Face model, sharded or not, transformed or not, wrapped by
-            PEFT's LoRA or not (the adapters keep their initial values).
-        folder: a folder written by ``save_pretrained`` (``model.safetensors`` or several shard
-            files with ``model.safetensors.index.json``), from a model of the same config.
+            PEFT's LoRA or not.
+        folder: a Hugging Face folder (``model.safetensors``, or shard files with
+            ``model.safetensors.index.json``) of a model with the same config.
     Returns:
-        ``model``, its weights equal to the folder's.
+        ``model``, its weights equal to the folder's (dequantized where the folder is quantized).
     Raises:
         FileNotFoundError: ``folder`` is not a directory.
         ValueError: no safetensors weights in ``folder``; its ``config.json`` names another
-            ``model_type``; a weight is missing, has another shape, or matches no parameter;
-            a parameter is placed other than ``Shard``/``Replicate``.
+            ``model_type``; a weight is missing, has another shape, or belongs to no parameter;
+            scales that do not fit their weight; a parameter placed other than ``Shard``/``Replicate``.
         RuntimeError: the model is still on the meta device.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(
-            f"load_pretrained_sharded(folder={str(folder)!r}): no such directory; pass a folder written "
-            "by save_pretrained."
+            f"load_pretrained_sharded(folder={str(folder)!r}): no such directory; pass a Hugging Face model "
+            "folder (config.json and safetensors weights)."
         )
     _check_model_type(model, folder)
-    weights = _Folder(folder)
-    layout = _DiskLayout.of(model)
-    reads: list[_Read] = []
-    claimed: set[str] = set()
-    for names, tensor in _tensors_to_load(model):
-        reads.extend(_plan_tensor(names, tensor, weights, layout, claimed, folder))
-    unexpected = sorted(set(weights.entry) - claimed)
-    if unexpected:
+    tensors = _tensors_to_load(model)
+    found = layout(_hf_model(model), folder, [name for names, _ in tensors for name in names])
+    reads = [read for names, tensor in tensors for read in _plan_tensor(names, tensor, found)]
+    if found.unmatched:
+        unexpected = sorted(found.unmatched)
         raise ValueError(
             f"load_pretrained_sharded: {len(unexpected)} weights in {folder} match no parameter of the "
-            f"{type(model).__name__}, e.g. {unexpected[:3]}; the folder was saved from a different model. "
+            f"{type(model).__name__}, e.g. {unexpected[:3]}; the folder was saved from a different model "
+            f"(or a newer layout this transformers does not know). "
             f"Build the model from the folder's config: AutoConfig.from_pretrained({str(folder)!r})."
         )
+    _report_ignored(found)
     _read_all(reads)
     return model
 
@@ -225,90 +176,77 @@ def _local_shard(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[i
     return local, tuple(offset)
 
 
-def _plan_tensor(
-    names: list[str],
-    tensor: torch.Tensor,
-    weights: _Folder,
-    layout: _DiskLayout,
-    claimed: set[str],
-    folder: Path,
-) -> list[_Read]:
-    """The reads that fill this rank's block of ``tensor``; checks the on-disk shapes."""
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a PEFT wrapper (whose conversion rules and config apply)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def _plan_tensor(names: list[str], tensor: torch.Tensor, found: FolderLayout) -> list[_Read]:
+    """The reads that fill this rank's block of ``tensor``; checks the stored shapes."""
     if tensor.is_meta:
         raise RuntimeError(
             f"load_pretrained_sharded: {names[0]!r} is on the meta device; allocate the model first "
             "with lightning_ep.models.init.materialize(model, device) (after transform and shard_model)."
         )
     local, offset = _local_shard(names[0], tensor)
-    looked: list[str] = []
-    for name in names:
-        for key in dict.fromkeys((layout.disk_key(name), name)):
-            looked.append(key)
-            if key in weights.shape:
-                if weights.shape[key] != tuple(tensor.shape):
-                    raise ValueError(
-                        f"load_pretrained_sharded: {key!r} in {weights.entry[key].file.name} has shape "
-                        f"{list(weights.shape[key])} but the model's {name!r} is {list(tensor.shape)}; "
-                        f"the model was built from another config. {_rebuild_hint(folder)}"
-                    )
-                claimed.add(key)
-                # A tied alias may be stored too (e.g. lm_head.weight next to embed_tokens.weight).
-                claimed.update(k for alias in names for k in (layout.disk_key(alias), alias) if k in weights.shape)
-                box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
-                return [_Read(weights.entry[key], box, local)]
-        expert_keys = layout.expert_keys(name)
-        if expert_keys is not None:
-            looked.extend(expert_keys(0))
-            if expert_keys(0)[0] in weights.shape:
-                return _plan_experts(name, tuple(tensor.shape), local, offset, expert_keys, weights, claimed)
-    raise ValueError(
-        f"load_pretrained_sharded: {folder} has no weight for the model's {names[0]!r} (looked for "
-        f"{looked}); the folder was saved from a different model. {_rebuild_hint(folder)}"
-    )
+    name = next((n for n in names if n in found.sources), None)
+    if name is None:
+        raise ValueError(
+            f"load_pretrained_sharded: {found.folder} has no weight for the model's {names[0]!r} (looked for "
+            f"{names} after transformers' renaming and fusion of the folder's keys); the folder was saved from "
+            f"a different model. {_rebuild_hint(found.folder)}"
+        )
+    source = found.sources[name]
+    box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+    if isinstance(source, Whole):
+        if source.source.shape != tuple(tensor.shape):
+            raise ValueError(
+                f"load_pretrained_sharded: {source_keys(source)[0]!r} in {source.source.stored[0].file.name} has shape "
+                f"{list(source.source.shape)} but the model's {name!r} is {list(tensor.shape)}; the model was "
+                f"built from another config. {_rebuild_hint(found.folder)}"
+            )
+        return [_Read(source.source, box, local)]
+    return _plan_experts(name, tuple(tensor.shape), local, box, source, found.folder)
 
 
 def _plan_experts(
-    name: str,
-    shape: tuple[int, ...],
-    local: torch.Tensor,
-    offset: tuple[int, ...],
-    expert_keys: Callable[[int], list[str]],
-    weights: _Folder,
-    claimed: set[str],
+    name: str, shape: tuple[int, ...], local: torch.Tensor, box: tuple[slice, ...], source: Stacked, folder: Path
 ) -> list[_Read]:
-    """Reads that fill the local block ``[Le, Lr, Lc]`` at ``(e0, r0, c0)`` of a fused expert weight
+    """Reads that fill the local block ``[Le, Lr, Lc]`` at ``box`` of a fused expert weight
     ``[E, R, C]`` from per-expert parts ``[R_p, C]`` (expert ``e`` = its parts stacked on rows)."""
-    num_experts, rows, cols = shape
-    keys_E = [expert_keys(e) for e in range(num_experts)]
-    for keys in keys_E:
-        for key in keys:
-            if key not in weights.shape:
-                raise ValueError(
-                    f"load_pretrained_sharded: the folder has no {key!r}, needed for the model's {name!r} "
-                    f"{list(shape)} (experts 0..{num_experts - 1}); it was saved from a model with fewer "
-                    f"experts. {_rebuild_hint(weights.entry[keys_E[0][0]].file.parent)}"
-                )
-        shapes = [weights.shape[key] for key in keys]
-        if any(len(s) != 2 or s[1] != cols for s in shapes) or sum(s[0] for s in shapes) != rows:
-            stacked = [num_experts, sum(s[0] for s in shapes), *shapes[0][1:]]
+    num_experts = shape[0]
+    parts_shapes = [p.shape for p in source.parts[0]]
+    stacked = source_shape(source)
+    if len(source.parts) != num_experts:
+        raise ValueError(
+            f"load_pretrained_sharded: {folder} stores {name!r} for {len(source.parts)} experts (e.g. "
+            f"{source_keys(source)[0]!r}) but the model's is {list(shape)}; it was saved from a model with "
+            f"{'fewer' if len(source.parts) < num_experts else 'more'} experts. {_rebuild_hint(folder)}"
+        )
+    if stacked != tuple(shape) or any(len(s) != 2 for s in parts_shapes):
+        keys = [part.stored[0].key for part in source.parts[0]]
+        raise ValueError(
+            f"load_pretrained_sharded: the per-expert weights {keys} have shapes {[list(s) for s in parts_shapes]}, "
+            f"which stack to {list(stacked)}, but the model's {name!r} is {list(shape)}; the model was built "
+            f"from another config. {_rebuild_hint(folder)}"
+        )
+    for parts in source.parts:
+        if [p.shape for p in parts] != parts_shapes:
             raise ValueError(
-                f"load_pretrained_sharded: the per-expert weights {keys} have shapes "
-                f"{[list(s) for s in shapes]}, which stack to {stacked}, but the model's {name!r} "
-                f"is {list(shape)}; the model was built from another config. "
-                f"{_rebuild_hint(weights.entry[keys[0]].file.parent)}"
+                f"load_pretrained_sharded: the per-expert weights of {name!r} differ in shape between experts "
+                f"({[list(p.shape) for p in parts]} vs {[list(s) for s in parts_shapes]}); the folder is damaged."
             )
-        claimed.update(keys)
-    e0, r0, c0 = offset
-    local_experts, local_rows, local_cols = local.shape
     reads = []
-    for e in range(e0, e0 + local_experts):
+    expert_box, row_box, col_box = box
+    for e in range(expert_box.start, expert_box.stop):
         base = 0  # first row of this part inside expert e's [R, C]
-        for key in keys_E[e]:
-            part_rows = weights.shape[key][0]
-            lo, hi = max(r0, base), min(r0 + local_rows, base + part_rows)
+        for part in source.parts[e]:
+            part_rows = part.shape[0]
+            lo, hi = max(row_box.start, base), min(row_box.stop, base + part_rows)
             if lo < hi:
-                src = (slice(lo - base, hi - base), slice(c0, c0 + local_cols))
-                reads.append(_Read(weights.entry[key], src, local[e - e0, lo - r0 : hi - r0]))
+                dst = local[e - expert_box.start, lo - row_box.start : hi - row_box.start]
+                reads.append(_Read(part, (slice(lo - base, hi - base), col_box), dst))
             base += part_rows
     return reads
 
@@ -320,14 +258,33 @@ def _rebuild_hint(folder: Path) -> str:
     )
 
 
+def _report_ignored(found: FolderLayout) -> None:
+    """One warning, on rank 0, naming the folder's weights the model does not use."""
+    line = found.ignored_line()
+    if line is not None and (not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0):
+        warnings.warn(line, stacklevel=3)
+
+
 def _read_all(reads: list[_Read]) -> None:
-    """Run the reads, file by file; each reads exactly its block (see ``safetensors_reader``)."""
-    ordered = sorted(reads, key=lambda r: (str(r.tensor.file), r.tensor.offset))
-    for file, group in groupby(ordered, key=lambda r: r.tensor.file):
-        with open(file, "rb", buffering=0) as f:
-            for read in group:
-                if read.dst.numel():
-                    read.dst.copy_(read_block(f, read.tensor, read.src))
+    """Run the reads in file order, each block dequantized (where stored quantized) into its
+    destination's dtype, at most ``CHUNK_BYTES`` of rows at a time."""
+    opener = Opener()
+    try:
+        for read in sorted(reads, key=lambda r: (str(r.source.stored[0].file), r.source.stored[0].key)):
+            if read.dst.numel() == 0:
+                continue
+            if not read.box:  # a 0-dim tensor
+                read.dst.copy_(read.source.read(opener, (), read.dst.dtype))
+                continue
+            first = read.box[0]
+            row_bytes = max(1, read.dst[0].numel() * 4)
+            step = max(1, CHUNK_BYTES // row_bytes)
+            for start in range(first.start, first.stop, step):
+                stop = min(start + step, first.stop)
+                sub = (slice(start, stop), *read.box[1:])
+                read.dst[start - first.start : stop - first.start].copy_(read.source.read(opener, sub, read.dst.dtype))
+    finally:
+        opener.close()
 
 
 __all__ = ["detect_prefix", "export_hf", "load_pretrained_sharded"]

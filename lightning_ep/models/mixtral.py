@@ -1,8 +1,8 @@
 """Mixtral (``MixtralSparseMoeBlock``): softmax -> top-k -> renormalise, optional input jitter,
 fused SwiGLU experts ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``. On disk, Mixtral
 checkpoints keep per-expert keys (``block_sparse_moe.experts.N.w1/w2/w3``); transformers fuses them
-on load and splits them on save; the ``disk_*`` fields below let ``models.hf_io`` read and check
-those files itself, one rank's rows at a time.
+on load and splits them on save (its ``conversion_mapping``); ``models.hf_io`` reads those files
+through the same rules, one rank's rows at a time.
 """
 
 from lightning_ep.models.registry import MoEFamily, register
@@ -19,9 +19,5 @@ MIXTRAL = register(
         activation="hidden_act",
         jitter="router_jitter_noise",
         normalize_weights=True,
-        # On disk: model.layers.N.block_sparse_moe.experts.E.{w1,w2,w3}.weight, w1 = gate, w3 = up.
-        disk_renames=((".mlp.", ".block_sparse_moe."),),
-        disk_gate_up_proj=("experts.{e}.w1.weight", "experts.{e}.w3.weight"),
-        disk_down_proj=("experts.{e}.w2.weight",),
     )
 )

@@ -3,7 +3,6 @@ OLMoE's own config), fused SwiGLU experts, no shared expert. On disk:
 ``mlp.experts.E.{gate_proj,up_proj,down_proj}.weight``.
 """
 
-from lightning_ep.models.qwen2_moe import QWEN2_MOE_DISK_DOWN, QWEN2_MOE_DISK_GATE_UP
 from lightning_ep.models.registry import MoEFamily, register
 
 OLMOE = register(
@@ -16,7 +15,5 @@ OLMOE = register(
         top_k="num_experts_per_tok",
         normalize_weights="norm_topk_prob",
         activation="hidden_act",
-        disk_gate_up_proj=QWEN2_MOE_DISK_GATE_UP,
-        disk_down_proj=QWEN2_MOE_DISK_DOWN,
     )
 )

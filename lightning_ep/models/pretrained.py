@@ -32,6 +32,10 @@ def from_pretrained(folder: str | Path, **config_overrides: Any) -> nn.Module:
             "save_pretrained (a local path: nothing is downloaded)."
         )
     config = AutoConfig.from_pretrained(folder, **config_overrides)
+    if getattr(config, "quantization_config", None) is not None:
+        # FP8 / MXFP4 weights are dequantized into the model's dtype as they are read: the model in
+        # memory is not quantized, and a save_pretrained of it must not claim it is.
+        delattr(config, "quantization_config")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     setattr(model, PRETRAINED_ATTR, str(folder))

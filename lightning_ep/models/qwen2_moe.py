@@ -3,15 +3,11 @@ fused SwiGLU experts ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, and 
 ``shared_expert`` on every token, scaled by ``sigmoid(shared_expert_gate(x))``.
 
 Dense layers (``mlp_only_layers``, or layers off the ``decoder_sparse_step`` stride) are
-``Qwen2MoeMLP`` modules and stay as they are. On disk (transformers' ``qwen2_moe`` conversion):
-``mlp.experts.E.{gate_proj,up_proj,down_proj}.weight``.
+``Qwen2MoeMLP`` modules and stay as they are. On disk (transformers' ``qwen2_moe`` conversion,
+which ``models.hf_io`` follows): ``mlp.experts.E.{gate_proj,up_proj,down_proj}.weight``.
 """
 
 from lightning_ep.models.registry import MoEFamily, register
-
-# The per-expert on-disk keys of every family that transformers converts like qwen2_moe.
-QWEN2_MOE_DISK_GATE_UP = ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight")
-QWEN2_MOE_DISK_DOWN = ("experts.{e}.down_proj.weight",)
 
 QWEN2_MOE = register(
     MoEFamily(
@@ -25,7 +21,5 @@ QWEN2_MOE = register(
         activation="hidden_act",
         shared_experts="shared_expert",
         shared_experts_gate="shared_expert_gate",
-        disk_gate_up_proj=QWEN2_MOE_DISK_GATE_UP,
-        disk_down_proj=QWEN2_MOE_DISK_DOWN,
     )
 )

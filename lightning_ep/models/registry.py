@@ -69,12 +69,6 @@ class MoEFamily:
         shared_experts_gate: name of the child giving the shared experts' sigmoid gate logit
             (Qwen2-MoE ``shared_expert_gate``), or ``None``.
         layer_class: the ``MoELayer`` class to build (GPT-OSS's returns a pair).
-        disk_renames: ``(in memory, on disk)`` substring pairs that turn a state-dict key into its
-            name in ``save_pretrained`` files, as transformers' ``WeightRenaming`` does.
-        disk_gate_up_proj: per-expert on-disk keys relative to the block (``{e}`` = expert index)
-            whose rows, stacked in this order, are expert ``e`` of ``gate_up_proj`` ``[E, 2I, H]``;
-            empty when checkpoints store the fused tensor.
-        disk_down_proj: the same for ``down_proj`` ``[E, H, I]``.
     """
 
     name: str
@@ -99,9 +93,6 @@ class MoEFamily:
     shared_experts: str | None = None
     shared_experts_gate: str | None = None
     layer_class: type[MoELayer] = MoELayer
-    disk_renames: tuple[tuple[str, str], ...] = ()
-    disk_gate_up_proj: tuple[str, ...] = ()
-    disk_down_proj: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         router = self.router_weight.rpartition(".")[0]

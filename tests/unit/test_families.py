@@ -142,7 +142,7 @@ def test_save_pretrained_round_trip_and_sharded_loader(model_type, tmp_path):
     with torch.no_grad():
         assert rel_err(reloaded(input_ids=ids).logits, model(input_ids=ids).logits) < 1e-6
 
-    # The library's own reader, through the family's on-disk key fields, into another transformed model.
+    # The library's own reader, through transformers' conversion rules, into another transformed model.
     other = lightning_ep.transform(tiny_family(model_type, seed=1), CONFIG)
     load_pretrained_sharded(other, tmp_path / "transformed")
     state = reference.state_dict()

@@ -1,0 +1,73 @@
+"""Published folders through the documented path: ``from_pretrained(folder)`` in ``configure_model``
+and ``ExpertParallelStrategy(degree=2)`` on 2 gloo processes (``published_fit_worker.py``).
+
+DeepSeek-V3's FP8 release with its multi-token-prediction layer, and GPT-OSS's MXFP4 experts: at the
+start of training every parameter equals transformers' own dequantized load bit for bit, the
+multi-token-prediction weights are named once (on rank 0) as ignored, and two steps train.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from families_workers import tiny_family
+from published import write_fp8, write_mxfp4
+
+WORKER = Path(__file__).with_name("published_fit_worker.py")
+FORKRUN = [sys.executable, str(Path(__file__).parents[1] / "forkrun.py")]
+
+pytestmark = pytest.mark.distributed
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def transformers_state(folder: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
+
+    method = json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"]
+    quant = FineGrainedFP8Config(dequantize=True) if method == "fp8" else Mxfp4Config(dequantize=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, quantization_config=quant)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss"])
+def test_fit_from_a_published_folder(model_type: str, tmp_path: Path) -> None:
+    model = tiny_family(model_type, seed=3)
+    if model_type == "deepseek_v3":
+        folder = write_fp8(model, tmp_path / "hf", block=(8, 8), mtp=True)
+    else:
+        folder = write_mxfp4(model, tmp_path / "hf")
+    torch.save(transformers_state(folder), tmp_path / "reference.pt")
+    out = tmp_path / "result.json"
+    cmd = [
+        *FORKRUN, "--nproc-per-node=2", f"--master-port={_free_port()}", str(WORKER),
+        str(folder), str(tmp_path / "reference.pt"), str(out),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    result = json.loads(out.read_text())
+    assert result["differ"] == [] and len(result["equal"]) == len(list(model.parameters()))
+    assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
+    if model_type == "deepseek_v3":
+        rank0, rank1 = result["ignored"]
+        assert len(rank0) == 1 and "multi-token-prediction weights" in rank0[0] and rank1 == []
