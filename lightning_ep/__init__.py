@@ -10,6 +10,7 @@ from typing import Any
 
 from lightning_ep._register import register_when_lightning_loads
 from lightning_ep.execution import Execution
+from lightning_ep.models.freeze import freeze_routers
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.fsdp import shard_model
@@ -24,6 +25,7 @@ __all__ = [
     "MoELayer",
     "MoEMonitor",
     "clip_grad_norm_",
+    "freeze_routers",
     "init_mesh",
     "moe_layers",
     "shard_model",

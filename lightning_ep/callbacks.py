@@ -3,10 +3,10 @@
 Legend: L MoE layers, E experts per layer, K experts per token.
 
 After every training batch the monitor reads what each ``MoELayer`` kept from its last forward
-(``tokens_per_expert``, ``router_entropy``, ``aux_loss``, ``z_loss`` and, where a layer has it,
-``tokens_dropped``) and adds it on the device, without a host sync, to the single sum state of a
-torchmetrics ``Metric`` (``MoELoadMetric``). Every ``every_n_steps`` optimizer steps that state is
-reduced across ranks with one all-reduce, ``7 * L + 8`` scalars go to every logger of the Trainer,
+(``tokens_per_expert``, ``router_entropy``, ``selection_gap``, ``aux_loss``, ``z_loss`` and, where a
+layer has it, ``tokens_dropped``) and adds it on the device, without a host sync, to the single sum
+state of a torchmetrics ``Metric`` (``MoELoadMetric``). Every ``every_n_steps`` optimizer steps that
+state is reduced across ranks with one all-reduce, ``8 * L + 9`` scalars go to every logger of the Trainer,
 and the window starts again. Global rank 0 renders the plots: a layers x experts heatmap of
 normalised load and the load imbalance of each layer over steps (PNGs in the run's log
 directory; the heatmap also as a TensorBoard image).
@@ -45,12 +45,13 @@ class MoEMonitor(Callback):
 
     - per layer ``<prefix>/layer_<i>/<name>`` and for the model ``<prefix>/<name>``, with ``name``
       in ``STAT_NAMES``: load imbalance (max / mean tokens per expert), coefficient of variation,
-      dead experts, router entropy, fraction of assignments dropped (0 while dropless), aux loss
-      and z-loss;
+      dead experts, router entropy, the ``"sinkhorn"`` selection gap (the fraction of tokens whose
+      training choice differs from the plain top-k inference picks; 0 in other modes), fraction of
+      assignments dropped (0 while dropless), aux loss and z-loss;
     - ``<prefix>/tokens_per_sec``: token passes through MoE layers per second, summed over layers
       and ranks, over the host wall time between the window's batch ends (validation excluded).
 
-    That is ``7 * L + 8`` series whatever the expert count. Per batch the monitor only adds device
+    That is ``8 * L + 9`` series whatever the expert count. Per batch the monitor only adds device
     tensors; each window costs one all-reduce and one device-to-host copy of the result.
 
     With ``plots=True``, global rank 0 writes every ``heatmap_every_n_steps`` steps
@@ -222,6 +223,7 @@ class MoEMonitor(Callback):
             torch.stack([layer.aux_loss.to(device) for layer in layers]),
             torch.stack([layer.z_loss.to(device) for layer in layers]),
             dropped_L,
+            torch.stack([layer.selection_gap.to(device) for layer in layers]),
         )
         self._window_batches += 1
 

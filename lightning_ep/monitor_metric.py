@@ -19,6 +19,7 @@ STAT_NAMES = (
     "load_cv",
     "dead_experts",
     "router_entropy",
+    "selection_gap",
     "tokens_dropped_frac",
     "aux_loss",
     "z_loss",
@@ -36,7 +37,8 @@ class MoELoadMetric(Metric):
     """Expert load and router statistics of ``L`` MoE layers with ``E`` experts each, over a window.
 
     The whole state is one float64 vector ``stats`` with sum reduction, laid out as
-    ``[tokens_LE (L*E) | entropy x tokens (L) | dropped (L) | aux (L) | z (L) | batches (1)]``, so
+    ``[tokens_LE (L*E) | entropy x tokens (L) | gap x tokens (L) | dropped (L) | aux (L) | z (L) |
+    batches (1)]``, so
     ``compute()`` syncs the ranks with a single all-reduce (counts stay exact up to 2**53).
 
     ``compute()`` returns ``{"layers": {name: [L]}, "model": {name: 0-dim}, "tokens_per_expert": [L, E],
@@ -47,11 +49,13 @@ class MoELoadMetric(Metric):
     - ``load_cv``: population standard deviation / mean of the token counts;
     - ``dead_experts``: experts that received no token;
     - ``router_entropy``: mean over tokens of the router's entropy in nats (``log E`` at most);
+    - ``selection_gap``: under ``"sinkhorn"``, the fraction of tokens whose training choice of experts
+      differs from the plain top-k that inference picks (0 in the other modes);
     - ``tokens_dropped_frac``: dropped (token, expert) assignments / routed assignments;
     - ``aux_loss``, ``z_loss``: mean over batches and ranks (unweighted).
 
-    A layer without tokens gets 0 for the first five. Model values: the mean over layers of load
-    imbalance, CV and entropy; the sum of dead experts and of the losses (the total the model
+    A layer without tokens gets 0 for the first six. Model values: the mean over layers of load
+    imbalance, CV, entropy and selection gap; the sum of dead experts and of the losses (the total the model
     trains on); dropped / routed over all layers. ``moe_tokens`` is the number of token passes
     through MoE layers, ``sum(tokens_per_expert) / K`` summed over layers.
 
@@ -76,7 +80,7 @@ class MoELoadMetric(Metric):
         if top_k > num_experts:
             raise ValueError(f"MoELoadMetric(top_k={top_k}): must not exceed num_experts={num_experts}.")
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
-        size = num_layers * num_experts + 4 * num_layers + 1
+        size = num_layers * num_experts + 5 * num_layers + 1
         self.add_state("stats", torch.zeros(size, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(
@@ -86,9 +90,11 @@ class MoELoadMetric(Metric):
         aux_loss_L: Tensor,
         z_loss_L: Tensor,
         tokens_dropped_L: Tensor | None = None,
+        selection_gap_L: Tensor | None = None,
     ) -> None:
         """Add one batch of this rank: token counts ``[L, E]``, mean router entropy over its tokens,
-        aux and z losses and (optionally) dropped assignments, each ``[L]``. No host sync."""
+        aux and z losses and (optionally) dropped assignments and the selection gap, each ``[L]``.
+        No host sync."""
         L, E = self.num_layers, self.num_experts
         if tuple(tokens_per_expert_LE.shape) != (L, E):
             raise ValueError(
@@ -102,9 +108,11 @@ class MoELoadMetric(Metric):
             dropped_L = tokens_LE.new_zeros(L)
         else:
             dropped_L = tokens_dropped_L.to(device, dtype).reshape(L)
+        gap_L = tokens_LE.new_zeros(L) if selection_gap_L is None else selection_gap_L.to(device, dtype).reshape(L)
         parts = [
             tokens_LE.reshape(-1),
             router_entropy_L.to(device, dtype).reshape(L) * num_tokens_L,
+            gap_L * num_tokens_L,
             dropped_L,
             aux_loss_L.to(device, dtype).reshape(L),
             z_loss_L.to(device, dtype).reshape(L),
@@ -116,7 +124,7 @@ class MoELoadMetric(Metric):
         """The window's statistics over all ranks (see the class docstring)."""
         L, E = self.num_layers, self.num_experts
         tokens_LE = self.stats[: L * E].view(L, E)
-        entropy_x_tokens_L, dropped_L, aux_sum_L, z_sum_L = self.stats[L * E : L * E + 4 * L].view(4, L)
+        entropy_x_tokens_L, gap_x_tokens_L, dropped_L, aux_sum_L, z_sum_L = self.stats[L * E : L * E + 5 * L].view(5, L)
         batches = self.stats[-1].clamp_min(1.0)
         routed_L = tokens_LE.sum(dim=1)
         has_tokens_L = routed_L > 0
@@ -128,6 +136,7 @@ class MoELoadMetric(Metric):
             "load_cv": torch.where(has_tokens_L, tokens_LE.std(dim=1, correction=0) / mean_L, zero_L),
             "dead_experts": (tokens_LE == 0).sum(dim=1).to(tokens_LE.dtype),
             "router_entropy": torch.where(has_tokens_L, entropy_x_tokens_L / (safe_routed_L / self.top_k), zero_L),
+            "selection_gap": torch.where(has_tokens_L, gap_x_tokens_L / (safe_routed_L / self.top_k), zero_L),
             "tokens_dropped_frac": torch.where(has_tokens_L, dropped_L / safe_routed_L, zero_L),
             "aux_loss": aux_sum_L / batches,
             "z_loss": z_sum_L / batches,
@@ -138,6 +147,7 @@ class MoELoadMetric(Metric):
             "load_cv": layers["load_cv"].mean(),
             "dead_experts": layers["dead_experts"].sum(),
             "router_entropy": layers["router_entropy"].mean(),
+            "selection_gap": layers["selection_gap"].mean(),
             "tokens_dropped_frac": torch.where(routed > 0, dropped_L.sum() / routed.clamp_min(1.0), routed * 0),
             "aux_loss": layers["aux_loss"].sum(),
             "z_loss": layers["z_loss"].sum(),

@@ -151,8 +151,9 @@ class LayerGraphs:
 
     def routed(
         self, x_TH: torch.Tensor, gate: nn.Module, route: Any, check_finite: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """``out_TH``, the tokens per expert and ``(aux_loss, z_loss, entropy, logits_finite)`` as
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``out_TH``, the tokens per expert and ``(aux_loss, z_loss, entropy, logits_finite,
+        selection_gap)`` as
         ``route(gate, x_TH, check_finite)`` followed by the eager dispatch, experts and combine give
         them (the losses with their gradients; ``logits_finite`` all true unless checked). Only at
         degree 1 (the local dispatch); ``route`` is the layer's (compiled or not)."""
@@ -160,8 +161,8 @@ class LayerGraphs:
             self._capture_routed(x_TH, gate, route, check_finite)
         tensors = [getattr(gate, name) for name in self._gate_names]
         weights = [local_tensor(p) for p in self._weights()]
-        out_TH, counts_E, aux, zl, entropy, finite = _Replay.apply(self, x_TH, *tensors, *weights)
-        return out_TH, counts_E, (aux, zl, entropy, finite)
+        out_TH, counts_E, aux, zl, entropy, finite, gap = _Replay.apply(self, x_TH, *tensors, *weights)
+        return out_TH, counts_E, (aux, zl, entropy, finite, gap)
 
     # ------------------------------------------------------------------------ replay
 
@@ -285,7 +286,7 @@ class LayerGraphs:
             finite = stats.logits_finite
             if finite is None:
                 finite = torch.ones((), dtype=torch.bool, device=out_TH.device)
-            return out_TH, counts_E, stats.aux_loss, stats.z_loss, stats.entropy, finite
+            return out_TH, counts_E, stats.aux_loss, stats.z_loss, stats.entropy, finite, stats.selection_gap
 
         # One forward and backward before the capture, on the capture's stream and inputs: a
         # compilation or lazy initialisation they trigger happens here, not inside the capture.
@@ -378,7 +379,7 @@ class _Pending:
 
 class _Replay(torch.autograd.Function):
     """The replayed graphs: ``out_TH``, ``counts_E`` (routed: then ``aux_loss``, ``z_loss``, ``entropy``,
-    ``logits_finite``); the gradients of ``out_TH`` and of the losses flow back."""
+    ``logits_finite``, ``selection_gap``); the gradients of ``out_TH`` and of the losses flow back."""
 
     @staticmethod
     def forward(ctx: Any, graphs: LayerGraphs, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -60,11 +60,13 @@ class MoELayer(nn.Module):
     - ``z_loss``: the router z-loss (0-dim, detached, unweighted);
     - ``tokens_per_expert``: int64 ``[E]``, tokens this rank routed to each global expert;
     - ``router_entropy``: mean over this rank's tokens of the entropy (nats) of the router's
-      softmax probabilities (0-dim, detached); ``log(E)`` for a uniform router, 0 for a one-hot one.
+      softmax probabilities (0-dim, detached); ``log(E)`` for a uniform router, 0 for a one-hot one;
+    - ``selection_gap``: the fraction of this rank's tokens whose training ``"sinkhorn"`` choice
+      differs from the plain top-k of inference (0-dim, detached; 0 in every other case).
 
-    The weighted losses reach the gradients by themselves (see ``losses.attach_losses``); their
-    gradient is multiplied by ``loss_scale`` (set it to ``1 / accumulate_grad_batches`` under
-    gradient accumulation, or to the loss scale of a ``GradScaler``).
+    The weighted losses reach the gradients by themselves (see ``losses.attach_losses``), except
+    under a frozen router (``TopKRouter.frozen``); their gradient is multiplied by ``loss_scale``
+    (``1 / accumulate_grad_batches`` under gradient accumulation, or a ``GradScaler``'s scale).
 
     Args:
         gate: the router.
@@ -121,11 +123,11 @@ class MoELayer(nn.Module):
         self.tokens_per_expert = torch.zeros(gate.num_experts, dtype=torch.int64)
         # (token, expert) pairs dropped by the capacity limit in the latest forward (0: dropless).
         self.tokens_dropped = torch.zeros((), dtype=torch.int64)
-        # With check_finite, ``nonfinite`` is a 0-dim bool set when the router logits or the
-        # layer output of the latest forward held a NaN or an infinity.
+        # With check_finite: a 0-dim bool, set when the latest forward's router logits or output held a NaN or inf.
         self.check_finite = False
         self.nonfinite = torch.zeros((), dtype=torch.bool)
         self.router_entropy = torch.zeros(())
+        self.selection_gap = torch.zeros(())
         # Eager by default; ``compile_routing`` swaps in compiled versions of the same functions.
         self._route = route
         self._all_finite = all_finite
@@ -133,20 +135,17 @@ class MoELayer(nn.Module):
         # Not a registered child: the layer's children stay the Hugging Face block's.
         self.router_logits: RouterLogits
         object.__setattr__(self, "router_logits", RouterLogits())
-        # From ``models.hf_compat``: transformers' experts implementation of the replaced block, run
-        # as ``hf_experts(experts, x, ids, weights)`` while ``hf_experts.active()`` (the model's
-        # ``config._experts_implementation`` names it); ``None``: always this library's experts.
+        # ``models.hf_compat``: transformers' experts of the replaced block, run as ``hf_experts(experts, x, ids,
+        # weights)`` while ``hf_experts.active()`` (``config._experts_implementation``); ``None``: this library's.
         self.hf_experts: Any = None
-        # The padding of the current model call, set by the model's forward pre-hook
-        # (``lightning_ep.models.padding``); ``None``: every token is real.
+        # The current call's padding, from the model's pre-hook (``models.padding``); ``None``: all tokens real.
         self.token_batch: TokenBatch | None = None
         self._token_batches: ForwardRecords[TokenBatch | None] = ForwardRecords(_MAX_TOKEN_BATCHES)
 
     def compile_routing(self, **compile_kwargs: Any) -> None:
-        """Run the router with its losses and statistics (``route``) and the output's finiteness
-        check through ``torch.compile``: a few fused kernels instead of some thirty small ones per
-        layer, in forward and in backward; with the symmetric-memory dispatcher its plan too
-        (``compile_plan``). The rest of the layer stays eager."""
+        """Run the router with its losses and statistics (``route``) and the output's finiteness check
+        through ``torch.compile``: a few fused kernels instead of some thirty small ones per layer, forward
+        and backward; with the symmetric-memory dispatcher its plan too (``compile_plan``). The rest stays eager."""
         self._route = torch.compile(route, **compile_kwargs)
         self._all_finite = torch.compile(all_finite, **compile_kwargs)
         compile_plan = getattr(self.dispatcher, "compile_plan", None)
@@ -364,10 +363,11 @@ class MoELayer(nn.Module):
         self.z_loss = zl.detach()
         self.tokens_per_expert = tokens_per_expert_E.detach()
         self.router_entropy = stats.entropy
-        if self.training and not in_backward():
-            self.gate.record_load(kept_E)
-        if not self.training:
+        self.selection_gap = stats.selection_gap.detach()
+        if not self.training or self.gate.frozen:
             return out_TH
+        if not in_backward():
+            self.gate.record_load(kept_E)
         return attach_losses(out_TH, [aux, zl], weights)
 
     def _exchange_to_keep(self, draw_id: int) -> KeptExchange | None:

@@ -56,6 +56,7 @@ def test_metric_values_on_hand_built_counts_are_exact():
         aux_loss_L=torch.tensor([0.75, 1.0, 0.0]),
         z_loss_L=torch.tensor([0.25, 0.125, 0.0]),
         tokens_dropped_L=torch.tensor([2, 0, 0]),
+        selection_gap_L=torch.tensor([0.25, 0.5, 0.0]),
     )
     stats = metric.compute()
     layers, model = stats["layers"], stats["model"]
@@ -68,12 +69,15 @@ def test_metric_values_on_hand_built_counts_are_exact():
     assert layers["dead_experts"].tolist() == [4, 0, 8]  # over the window, not per batch (6 in each)
     # Token-weighted: (8 tokens * 0.5 + 4 tokens * 2.0) / 12 tokens = 1.0.
     assert layers["router_entropy"].tolist() == [1.0, 2.0, 0.0]
+    # Token-weighted too: batch 1 had no gap (0 x 8 tokens), batch 2 a quarter of 4 tokens.
+    assert layers["selection_gap"].tolist() == [1 / 12, 0.5 * 16 / 32, 0.0]
     assert layers["tokens_dropped_frac"].tolist() == [2 / 24, 0.0, 0.0]
     assert layers["aux_loss"].tolist() == [0.5, 1.0, 0.0]
     assert layers["z_loss"].tolist() == [0.375, 0.125, 0.0]
     assert model["load_imbalance"].item() == pytest.approx((8 / 3 + 1.0) / 3, rel=1e-15)
     assert model["dead_experts"].item() == 12
     assert model["router_entropy"].item() == 1.0
+    assert model["selection_gap"].item() == pytest.approx((1 / 12 + 0.25) / 3, rel=1e-15)
     assert model["tokens_dropped_frac"].item() == 2 / 56
     assert model["aux_loss"].item() == 1.5
     assert model["z_loss"].item() == 0.5
@@ -300,7 +304,7 @@ def test_fit_windows_follow_optimizer_steps_under_accumulation(tmp_path: Path):
         recorder.per_step[4],
     ]
     for (_, metrics), counts in zip(rows, windows, strict=True):
-        assert len([k for k in metrics if k.startswith("moe_monitor/")]) == 7 * 2 + 8
+        assert len([k for k in metrics if k.startswith("moe_monitor/")]) == 8 * 2 + 9
         for i in range(2):
             c = counts[i].double()
             assert c.sum().item() == (2 if counts is windows[2] else 4) * 8 * K  # micro-batches x tokens x K

@@ -19,13 +19,16 @@ from lightning_ep.moe.routing.router import TopKRouter
 
 class RouterStats(NamedTuple):
     """What the layer keeps of one routing: the load-balancing and z-losses (0-dim, with grad), the
-    router entropy (0-dim, detached), when checked whether every router logit is finite, and the router
-    logits ``[T, E]`` themselves (with grad; see ``MoELayer.router_logits``)."""
+    router entropy (0-dim, detached), when checked whether every router logit is finite, the selection
+    gap (0-dim, detached: the fraction of real tokens whose training ``"sinkhorn"`` choice differs from
+    the plain top-k that inference picks; 0 in every other case), and the router logits ``[T, E]``
+    themselves (with grad; see ``MoELayer.router_logits``)."""
 
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
     entropy: torch.Tensor
     logits_finite: torch.Tensor | None
+    selection_gap: torch.Tensor
     logits_TE: torch.Tensor
 
 
@@ -78,7 +81,19 @@ def route(
     zl = z_loss(routing.logits_TE, valid_T, z_weight_T)
     entropy = mean_entropy(probs_TE.detach(), valid_T)
     finite = torch.isfinite(routing.logits_TE.detach()).all() if check_finite else None
-    return expert_ids_TK, weights_TK, RouterStats(aux, zl, entropy, finite, routing.logits_TE)
+    gap = selection_gap(routing.differs_T, valid_T, routing.logits_TE)
+    return expert_ids_TK, weights_TK, RouterStats(aux, zl, entropy, finite, gap, routing.logits_TE)
+
+
+def selection_gap(differs_T: torch.Tensor | None, valid_T: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """0-dim fp32: the fraction of real tokens whose chosen experts differ from inference's (0 without
+    ``differs_T``, and for a rank without tokens)."""
+    if differs_T is None:
+        return torch.zeros((), dtype=torch.float32, device=like.device)
+    if valid_T is not None:
+        differs_T = differs_T & valid_T
+        return differs_T.sum().float() / valid_T.sum().clamp_min(1).float()
+    return differs_T.sum().float() / max(differs_T.shape[0], 1)
 
 
 def mean_entropy(probs_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:

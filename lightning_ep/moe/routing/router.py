@@ -33,6 +33,12 @@ Balancing modes (``MoEConfig.moe_load_balancing``):
   by ``rate * sign(mean_load - load_e)`` once per optimizer step. The bias is used in training and
   in eval: it is part of the trained model. In the other modes a model's own correction bias is
   used for selection as the model does, and never updated.
+
+A router is frozen (``TopKRouter.frozen``) when none of its parameters requires grad
+(``lightning_ep.freeze_routers``, or a PEFT model whose routers are not trained). Routing is
+unchanged; its layer still computes and reports the losses but attaches none to the gradients (they
+would push the hidden states towards a balance the router cannot learn), and its ``"balanced"``
+bias counts no load, so it stays where it is.
 """
 
 from __future__ import annotations
@@ -64,12 +70,15 @@ class Routing:
             sequence-wise balance loss).
         expert_ids_TK: chosen global expert ids, int64.
         weights_TK: combine weights in the router dtype.
+        differs_T: under ``"sinkhorn"`` in training, bool ``[T]``: whether the token's chosen set of
+            experts differs from the plain top-k that evaluation and inference pick; ``None`` otherwise.
     """
 
     logits_TE: torch.Tensor
     probs_TE: torch.Tensor
     expert_ids_TK: torch.Tensor
     weights_TK: torch.Tensor
+    differs_T: torch.Tensor | None = None
 
 
 def sinkhorn_log(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor | None = None) -> torch.Tensor:
@@ -211,6 +220,11 @@ class TopKRouter(nn.Module):
             )
 
     @property
+    def frozen(self) -> bool:
+        """Whether no parameter of the router (``weight``, ``bias``) requires grad."""
+        return not any(p.requires_grad for p in self.parameters())
+
+    @property
     def selection_bias(self) -> torch.Tensor | None:
         """The selection-only bias ``[E]``: ``e_score_correction_bias``, ``expert_bias`` or ``None``."""
         return None if self.bias_name is None else getattr(self, self.bias_name)
@@ -249,8 +263,12 @@ class TopKRouter(nn.Module):
         else:
             probs_TE = torch.softmax(logits_TE, dim=-1)
             scores_TE = logits_TE if self.scoring == "topk_softmax" else probs_TE
+        differs_T = None
         with torch.no_grad():
             expert_ids_TK = torch.topk(self._selection(logits_TE, scores_TE, valid_T), self.top_k, dim=-1).indices
+            if self.mode == "sinkhorn" and self.training:  # what inference would pick instead
+                plain_TK = torch.topk(self._plain_selection(scores_TE), self.top_k, dim=-1).indices
+                differs_T = (expert_ids_TK.sort(dim=-1).values != plain_TK.sort(dim=-1).values).any(dim=-1)
         weights_TK = scores_TE.gather(1, expert_ids_TK)
         if self.scoring == "topk_softmax":
             weights_TK = torch.softmax(weights_TK, dim=-1)
@@ -259,7 +277,7 @@ class TopKRouter(nn.Module):
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         if self.scaling_factor != 1.0:
             weights_TK = weights_TK * self.scaling_factor
-        return Routing(logits_TE, probs_TE, expert_ids_TK, weights_TK)
+        return Routing(logits_TE, probs_TE, expert_ids_TK, weights_TK, differs_T)
 
     def _selection(
         self, logits_TE: torch.Tensor, scores_TE: torch.Tensor, valid_T: torch.Tensor | None = None
@@ -270,12 +288,17 @@ class TopKRouter(nn.Module):
             if valid_T is not None:  # padded rows are -inf throughout; any finite choice will do
                 selection_TE = selection_TE.masked_fill(~valid_T[:, None], 0.0)
             if self.n_group > 1:  # groups are scored by sums of scores, not of log-scores
-                selection_TE = selection_TE.exp()
-        else:
-            selection_TE = scores_TE.detach()
-            bias = self.selection_bias
-            if bias is not None:
-                selection_TE = selection_TE + bias.to(selection_TE.dtype)
+                selection_TE = group_limited(selection_TE.exp(), self.n_group, self.topk_group)
+            return selection_TE
+        return self._plain_selection(scores_TE)
+
+    def _plain_selection(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """The selection scores of every mode but training ``"sinkhorn"``: the scores plus the
+        selection bias, group-limited."""
+        selection_TE = scores_TE.detach()
+        bias = self.selection_bias
+        if bias is not None:
+            selection_TE = selection_TE + bias.to(selection_TE.dtype)
         if self.n_group > 1:
             selection_TE = group_limited(selection_TE, self.n_group, self.topk_group)
         return selection_TE
