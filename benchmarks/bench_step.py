@@ -18,7 +18,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   automatic choices a user gets with no flag (printed in the row's setup table); ``ep:symm`` the
   dropless exchange pulled through CUDA symmetric memory (``Execution(exchange="symmetric_memory")``).
   Options appended to a row (they combine: ``ep:a2a+compile+zero2``): ``+eager`` forces every
-  execution choice off (no compile, CUDA graphs, fused AdamW kernels or single-rank FSDP2); ``+compile``, ``+graph``,
+  execution choice off (no compile, CUDA graphs or single-rank FSDP2; the optimizer is the row's, whose
+  kernels ``Execution.fused_adamw`` reports); ``+compile``, ``+graph``,
   ``+dedup`` force ``Execution(compile=True)``, ``cuda_graphs=True``, ``token_dedup=True``, and
   ``+nograph`` forces ``cuda_graphs=False``, so that a ``--trace`` ties every kernel to its host op (on a
   baseline row ``+compile`` applies ``compile_blocks`` to every decoder layer, its MoE block
@@ -369,12 +370,13 @@ def row_budget(args: Any, shape: Shape) -> int:
 
 def execution_of(base: str, options: list[str], args: Any, shape: Shape) -> Any:
     """The row's ``lightning_ep.Execution``: automatic (the defaults a user gets) unless an option forces
-    a choice; ``+eager`` forces every choice off (no compile, graphs or fused AdamW kernels)."""
+    a choice; ``+eager`` forces every choice off (no compile, graphs or single-rank FSDP2). ``fused_adamw``
+    is left to report the row's optimizer: forcing it off would refuse ``lightning_ep.optim.AdamW``."""
     from lightning_ep import Execution
 
     forced: dict[str, Any] = {}
     if "eager" in options:
-        forced |= {"compile": False, "cuda_graphs": False, "fused_adamw": False, "single_rank_fsdp": False}
+        forced |= {"compile": False, "cuda_graphs": False, "single_rank_fsdp": False}
     if "zero3" in options:
         forced["single_rank_fsdp"] = False
     if "compile" in options:

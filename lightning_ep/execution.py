@@ -42,16 +42,16 @@ What each choice does:
   checkpointing, whose recomputation in backward would read the DTensors. Modules outside the
   model (a value head) keep FSDP2, with the gathered parameters kept from forward to backward and
   gradients reduced in the parameter dtype.
-- ``fused_adamw``: a ``torch.optim.AdamW(fused=True)`` is stepped by ``lightning_ep.optim.AdamW``'s
-  kernels (torch's fused AdamW bit for bit, one launch per large tensor). A ``torch.optim.AdamW``
-  without ``fused=True`` is left alone: its foreach kernels round differently.
+- ``fused_adamw``: a report, not a choice (``lightning_ep.execution_adamw``): whether the optimizers
+  Lightning set up step with ``lightning_ep.optim.AdamW``'s kernels; ``True`` / ``False`` assert it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
+from lightning_ep.execution_adamw import fused_adamw_row
 from lightning_ep.moe.config import MoEConfig
 
 Auto = Literal["auto"]
@@ -80,8 +80,8 @@ class Execution:
         single_rank_fsdp: at world size 1, use the dense parameters in place instead of through FSDP2.
             Auto: on at world size 1 without gradient accumulation or activation checkpointing, unless
             ``reshard_after_forward=True`` is given to the strategy.
-        fused_adamw: step ``torch.optim.AdamW(fused=True)`` with this library's kernels. Auto: on CUDA
-            with Triton.
+        fused_adamw: whether ``lightning_ep.optim.AdamW``'s kernels step the optimizer (only that class
+            has them). Auto: reported. True / False: refused where the optimizers contradict them.
     """
 
     compile: bool | Auto = "auto"
@@ -134,6 +134,7 @@ class Environment:
     accumulate_grad_batches: int = 1
     reshard_after_forward: bool | None = None  # the strategy's argument; None: not given
     expert_elements: int = 0  # one routed expert's gate/up weight (2I x H), the largest; 0: unknown
+    optimizers: tuple[str, ...] | None = None  # by class (execution_setup.optimizer_names); None: not set up
 
     @property
     def world_size(self) -> int:
@@ -166,7 +167,7 @@ class Resolved:
     symmetric_memory: bool
     token_dedup: bool
     row_budget: int | str | None
-    fused_adamw: bool
+    fused_adamw: bool  # lightning_ep.optim.AdamW's kernels step an optimizer (False before the optimizers exist)
     environment: Environment
     choices: tuple[Choice, ...] = field(default=())
     single_rank_fsdp: bool = False
@@ -309,18 +310,25 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
 
     single_rank = _single_rank_fsdp(execution.single_rank_fsdp, env, rows)
 
-    # optimizer
-    if execution.fused_adamw is True and not fast:
-        raise ValueError(f"Execution(fused_adamw=True) needs CUDA with Triton ({no_kernels} here); use 'auto'.")
-    fused_adamw = fast if execution.fused_adamw == "auto" else execution.fused_adamw
-    reason = "torch.optim.AdamW(fused=True) stepped by lightning_ep.optim.AdamW (same bits)"
-    if execution.fused_adamw == "auto" and not fast:
-        reason = f"auto: off on {no_kernels}"
-    elif execution.fused_adamw is False:
-        reason = "forced"
-    rows.append(Choice("fused_adamw", _on(fused_adamw), reason))
+    fused_adamw, row = _fused_adamw(execution.fused_adamw, env)
+    rows += row
 
     return Resolved(compile_on, graphs, symmetric, dedup, budget, fused_adamw, env, tuple(rows), single_rank)
+
+
+def with_optimizers(resolved: Resolved, execution: Execution, optimizers: tuple[str, ...]) -> Resolved:
+    """``resolved`` once Lightning has set up ``optimizers`` (as ``Environment.optimizers`` names them), its
+    ``fused_adamw`` row as ``resolve`` gives it for them. Raises ``ValueError`` where they contradict a forced value."""
+    env = replace(resolved.environment, optimizers=optimizers)
+    fused_adamw, row = _fused_adamw(execution.fused_adamw, env)
+    choices = tuple(c for c in resolved.choices if c.name != "fused_adamw") + row  # the last row, as in resolve
+    return replace(resolved, fused_adamw=fused_adamw, environment=env, choices=choices)
+
+
+def _fused_adamw(option: bool | Auto, env: Environment) -> tuple[bool, tuple[Choice, ...]]:
+    """``fused_adamw_row`` for ``env``: whether the kernels step, and the row (none before the optimizers)."""
+    on, reason = fused_adamw_row(option, device_type=env.device_type, triton=env.triton, optimizers=env.optimizers)
+    return on, () if reason is None else (Choice("fused_adamw", _on(on), reason),)
 
 
 def _single_rank_fsdp(option: bool | Auto, env: Environment, rows: list[Choice]) -> bool:

@@ -1,10 +1,11 @@
 """``ExpertParallelStrategy``'s side of ``lightning_ep.execution``: what the strategy sees, the
-config its layers are built with, and the fused AdamW swap."""
+config its layers are built with, and the names of the optimizers whose kernels the table reports."""
 
 from __future__ import annotations
 
 import importlib.util
 import warnings
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_ep.execution import Environment, Execution, Resolved, resolve
+from lightning_ep.execution_adamw import KERNEL_ADAMW
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.transform import moe_layers
 
@@ -173,26 +175,19 @@ def pad_exchanges(layers: list[MoELayer], resolved: Resolved | None) -> None:
             layer.dispatcher = PaddedAllToAllDispatcher(layer.num_experts, layer.dispatcher.group, budget, bound)
 
 
-def step_fused_adamw_with_kernels(optimizers: list[Any]) -> int:
-    """Let every ``torch.optim.AdamW(fused=True)`` in ``optimizers`` step with
-    ``lightning_ep.optim.AdamW``'s kernels (torch's fused AdamW bit for bit; the object, its groups,
-    state and schedulers are kept). Others, and groups that class does not take, are left alone.
+def optimizer_names(optimizers: Iterable[torch.optim.Optimizer]) -> tuple[str, ...]:
+    """How ``Environment.optimizers`` names each of ``optimizers``: ``lightning_ep.optim.AdamW`` for an
+    instance of that class (subclasses too: its kernels step them), torch's optimizers by their
+    ``torch.optim`` name (``torch.optim.AdamW``), any other by its module and class."""
+    from lightning_ep.optim import AdamW
 
-    Returns:
-        How many optimizers now step with the kernels.
-    """
-    from lightning_ep.optim import AdamW, _check_group
-
-    swapped = 0
+    names = []
     for optimizer in optimizers:
-        if type(optimizer) is not torch.optim.AdamW:
-            continue
-        try:
-            for group in optimizer.param_groups:
-                _check_group(group)
-        except (TypeError, ValueError):  # not fused, a Tensor lr, amsgrad, ...: torch's own step stays
-            continue
-        optimizer.__class__ = AdamW
-        optimizer.min_kernel_numel = AdamW.DEFAULT_MIN_KERNEL_NUMEL  # type: ignore[attr-defined]
-        swapped += 1
-    return swapped
+        cls = type(optimizer)
+        if isinstance(optimizer, AdamW):
+            names.append(KERNEL_ADAMW)
+        elif getattr(torch.optim, cls.__name__, None) is cls:
+            names.append(f"torch.optim.{cls.__name__}")
+        else:
+            names.append(f"{cls.__module__}.{cls.__qualname__}")
+    return tuple(names)

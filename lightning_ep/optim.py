@@ -68,6 +68,11 @@ class AdamW(torch.optim.AdamW):
     launch of its own; smaller ones, and any the kernel cannot take, are updated by
     ``torch._fused_adamw_`` in its few launches. DTensor parameters (FSDP2, expert parallelism) are
     updated through their local shards when gradient and parameter share one placement.
+
+    A ``torch.optim.Optimizer`` like any other: step pre- and post-hooks, LR schedulers and
+    Lightning's optimizer wrapper work as with torch's class. ``kernel_launches`` counts the Triton
+    kernel launches of this optimizer's steps so far (one per tensor it took, per step; 0 where every
+    tensor went through ``torch._fused_adamw_``), so a run can check that the kernel ran.
     """
 
     DEFAULT_MIN_KERNEL_NUMEL = 1 << 20
@@ -89,7 +94,16 @@ class AdamW(torch.optim.AdamW):
                 f"kernel launch of its own), got {min_kernel_numel!r}."
             )
         self.min_kernel_numel = min_kernel_numel
+        self.kernel_launches = 0
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize, fused=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's (defaults, groups, state) and this class's own settings, so copies and pickles step alike."""
+        return {
+            **super().__getstate__(),
+            "min_kernel_numel": self.min_kernel_numel,
+            "kernel_launches": self.kernel_launches,
+        }
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, then the options this class does not take refused, naming the fix."""
@@ -156,6 +170,7 @@ class AdamW(torch.optim.AdamW):
             powers2 = torch._foreach_pow(hyper.beta2, big_steps)
             for j, i in enumerate(big):
                 adamw_kernel_step(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], powers1[j], powers2[j], hyper)
+            self.kernel_launches += len(big)
 
     def _kernel_takes(self, p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> bool:
         """Whether ``p``'s update runs in the Triton kernel (else in ``torch._fused_adamw_``): a CUDA

@@ -26,13 +26,13 @@ from typing_extensions import override
 
 from lightning_ep import checkpoints
 from lightning_ep.config_errors import shown_once
-from lightning_ep.execution import Execution, Resolved
+from lightning_ep.execution import Execution, Resolved, with_optimizers
 from lightning_ep.execution_setup import (
     fsdp_options,
     layers_config,
+    optimizer_names,
     pad_exchanges,
     resolve_for,
-    step_fused_adamw_with_kernels,
     with_compile_layers,
 )
 from lightning_ep.model_selection import num_experts, select
@@ -253,7 +253,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             self._build_mesh(degree)
         with shown_once(self.global_rank):
             self.resolved = resolve_for(self, selection.model)
-        rank_zero_info(self.resolved.table())
         self._parallelize(selection.model)
         shard_dense_modules(
             list(selection.extras.values()),
@@ -269,9 +268,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.resolved is not None and self.resolved.fused_adamw:
-                step_fused_adamw_with_kernels(self.optimizers)
+            with shown_once(self.global_rank):  # every rank sets up optimizers of the same classes
+                self.resolved = with_optimizers(self.resolved, self.execution, optimizer_names(self.optimizers))
             self._bias_hooks = update_biases_after_each_step(self.optimizers, selection.model)
+        rank_zero_info(self.resolved.table())  # once the optimizers exist: the fused_adamw row reports them
         self.setup_precision_plugin()
         use_mesh_aware_clipping(self.precision_plugin)
         self._step_checks = StepChecks(

@@ -1,6 +1,7 @@
 """``lightning_ep.execution``: the automatic choices and the setup table are a pure function of the
 environment, tested here for the environments a user meets; forced choices that cannot apply are
-refused by name; the fused AdamW swap keeps torch's bits and the optimizer object."""
+refused by name; the ``fused_adamw`` row reports what steps the optimizers Lightning set up, and
+forcing it against them is refused."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 from lightning_ep import Execution, MoEConfig
-from lightning_ep.execution import Environment, Resolved, resolve
-from lightning_ep.execution_setup import merge, step_fused_adamw_with_kernels, with_compile_layers
+from lightning_ep.execution import Environment, Resolved, resolve, with_optimizers
+from lightning_ep.execution_adamw import KERNEL_ADAMW, TORCH_ADAMW
+from lightning_ep.execution_setup import merge, optimizer_names, with_compile_layers
 
 
 def _env(**overrides: object) -> Environment:
@@ -23,6 +25,7 @@ def _env(**overrides: object) -> Environment:
         "devices_per_node": 1,
         "degree": 1,
         "precision": "bf16-mixed",
+        "optimizers": (KERNEL_ADAMW,),  # what the README's module returns from configure_optimizers
     }
     values.update(overrides)
     return Environment(**values)  # type: ignore[arg-type]
@@ -140,7 +143,9 @@ def test_fp32_and_capacity_keep_graphs_off() -> None:
 
 
 def test_forced_choices_are_kept_or_refused_by_name() -> None:
-    off = resolve(Execution(compile=False, cuda_graphs=False, fused_adamw=False), _env(), MoEConfig())
+    off = resolve(
+        Execution(compile=False, cuda_graphs=False, fused_adamw=False), _env(optimizers=(TORCH_ADAMW,)), MoEConfig()
+    )
     assert not (off.compile or off.cuda_graphs or off.fused_adamw)
     assert "forced" in _rows(off)["cuda_graphs"][1]
     assert _rows(off)["fused_adamw"] == ("off", "forced")
@@ -202,31 +207,104 @@ def test_compile_layers_is_deprecated_but_kept() -> None:
             with_compile_layers(Execution(compile=True), False)
 
 
-def test_fused_adamw_swap_keeps_the_bits_the_object_and_the_scheduler() -> None:
+ON = "lightning_ep.optim.AdamW: torch's fused AdamW bits, a Triton kernel per large tensor"
+
+
+@pytest.mark.parametrize(
+    ("env", "optimizers", "row"),
+    [
+        ({}, (KERNEL_ADAMW,), ("on", ON)),
+        ({}, (KERNEL_ADAMW, TORCH_ADAMW), ("on", ON + "; torch.optim.AdamW: torch's kernels")),
+        (
+            {},
+            (TORCH_ADAMW,),
+            (
+                "off",
+                "torch.optim.AdamW steps with torch's kernels; lightning_ep.optim.AdamW steps the same bits faster",
+            ),
+        ),
+        ({}, ("torch.optim.SGD",), ("off", "torch.optim.SGD steps with its own kernels (no AdamW)")),
+        ({"device_type": "cpu", "precision": "32-true"}, (KERNEL_ADAMW,), ("off", "auto: off on CPU")),
+        ({"triton": False}, (KERNEL_ADAMW,), ("off", "auto: off on no Triton")),
+    ],
+)
+def test_the_fused_adamw_row_reports_what_steps_the_optimizers(
+    env: dict, optimizers: tuple[str, ...], row: tuple[str, str]
+) -> None:
+    """The row says whether ``lightning_ep.optim.AdamW``'s kernels step an optimizer Lightning set up:
+    only that class has them, and only on CUDA with Triton. Completing an earlier resolution with the
+    optimizers gives what resolving with them gives."""
+    resolved = resolve(Execution(), _env(**env, optimizers=optimizers), MoEConfig())
+    assert _rows(resolved)["fused_adamw"] == row
+    assert resolved.fused_adamw == (row[0] == "on")
+    assert list(_rows(resolved))[-1] == "fused_adamw"
+    early = resolve(Execution(), _env(**env, optimizers=None), MoEConfig())
+    assert with_optimizers(early, Execution(), optimizers) == resolved
+
+
+def test_no_fused_adamw_row_before_the_optimizers_exist() -> None:
+    """Before ``configure_optimizers`` (and when not fitting) nothing steps: no row, and a forced value
+    is checked only against the device."""
+    for option in ("auto", True, False):
+        resolved = resolve(Execution(fused_adamw=option), _env(optimizers=None), MoEConfig())
+        assert not resolved.fused_adamw and "fused_adamw" not in _rows(resolved)
+
+
+def test_forcing_fused_adamw_against_the_optimizers_is_refused_with_the_fix() -> None:
+    needs_ours = (
+        r"Execution\(fused_adamw=True\) needs lightning_ep.optim.AdamW, but configure_optimizers returned {}; "
+        r"construct lightning_ep.optim.AdamW\(...\) in place of torch.optim.AdamW \(the same arguments and bits\), "
+        r"or use fused_adamw='auto'\."
+    )
+    for optimizers, shown in [
+        ((TORCH_ADAMW,), "torch.optim.AdamW"),
+        ((KERNEL_ADAMW, TORCH_ADAMW), "lightning_ep.optim.AdamW, torch.optim.AdamW"),
+        (("torch.optim.SGD",), "torch.optim.SGD"),
+        ((), "no optimizer"),
+    ]:
+        with pytest.raises(ValueError, match=needs_ours.format(re.escape(shown))):
+            resolve(Execution(fused_adamw=True), _env(optimizers=optimizers), MoEConfig())
+        early = resolve(Execution(fused_adamw=True), _env(optimizers=None), MoEConfig())
+        with pytest.raises(ValueError, match=needs_ours.format(re.escape(shown))):
+            with_optimizers(early, Execution(fused_adamw=True), optimizers)
+    forced = resolve(Execution(fused_adamw=True), _env(), MoEConfig())
+    assert forced.fused_adamw and _rows(forced)["fused_adamw"][1].startswith("forced; lightning_ep.optim.AdamW: ")
+    with pytest.raises(
+        ValueError,
+        match=r"Execution\(fused_adamw=False\), but configure_optimizers returned lightning_ep.optim.AdamW, which "
+        r"steps with its kernels on CUDA; return torch.optim.AdamW\(fused=True\) for torch's kernels \(the same "
+        r"bits\), or use fused_adamw='auto'\.",
+    ):
+        resolve(Execution(fused_adamw=False), _env(), MoEConfig())
+    # Where the kernels cannot run, lightning_ep.optim.AdamW steps with torch's kernels: False holds.
+    cpu = resolve(Execution(fused_adamw=False), _env(device_type="cpu", precision="32-true"), MoEConfig())
+    assert _rows(cpu)["fused_adamw"] == ("off", "forced")
+
+
+def test_optimizer_names_name_the_class_that_steps() -> None:
     from lightning_ep.optim import AdamW
 
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    mine = torch.optim.AdamW(params, lr=1e-2, fused=True)
-    reference = torch.optim.AdamW(twins, lr=1e-2, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(mine, lambda step: 0.5**step)
-    ref_scheduler = torch.optim.lr_scheduler.LambdaLR(reference, lambda step: 0.5**step)
-    foreach = torch.optim.AdamW([torch.nn.Parameter(torch.randn(4))], foreach=True)
-    amsgrad = torch.optim.AdamW([torch.nn.Parameter(torch.randn(4))], fused=True, amsgrad=True)
-    assert step_fused_adamw_with_kernels([mine, foreach, amsgrad]) == 1
-    assert type(mine) is AdamW and type(foreach) is torch.optim.AdamW and type(amsgrad) is torch.optim.AdamW
-    for step in range(3):
-        for group in (params, twins):
-            for p in group:
-                p.grad = torch.full_like(p, 0.1 * (step + 1)) + p.detach() * 0.01
-        mine.step()
-        reference.step()
-        scheduler.step()
-        ref_scheduler.step()
-    for p, q in zip(params, twins, strict=True):
-        assert torch.equal(p, q)
-    assert mine.param_groups[0]["lr"] == reference.param_groups[0]["lr"] == 1e-2 * 0.5**3
+    class Mine(AdamW):
+        pass
+
+    class Custom(torch.optim.SGD):
+        pass
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    optimizers = [
+        AdamW(params),
+        Mine(params),
+        torch.optim.AdamW(params, fused=True),
+        torch.optim.SGD(params, lr=0.1),
+        Custom(params, lr=0.1),
+    ]
+    assert optimizer_names(optimizers) == (
+        KERNEL_ADAMW,
+        KERNEL_ADAMW,
+        TORCH_ADAMW,
+        "torch.optim.SGD",
+        f"{__name__}.test_optimizer_names_name_the_class_that_steps.<locals>.Custom",
+    )
 
 
 def test_a_row_budget_pads_the_collective_exchange_and_is_refused_where_it_cannot_apply() -> None:
@@ -298,7 +376,8 @@ def test_expert_elements_reads_the_model_on_the_meta_device() -> None:
 
 
 def test_the_readme_shows_the_table_of_one_gpu() -> None:
-    """The setup table in the README is what one GPU in bf16-mixed prints, line for line."""
+    """The setup table in the README is what one GPU in bf16-mixed prints, line for line, for the
+    README's module (its ``configure_optimizers`` returns ``lightning_ep.optim.AdamW``)."""
     from pathlib import Path
 
     readme = (Path(__file__).parents[2] / "README.md").read_text()

@@ -1,7 +1,7 @@
 """``lightning_ep.optim.AdamW`` on CPU: torch's fused AdamW bit for bit (every tensor takes
 ``torch._fused_adamw_`` here), its state dict interchangeable with ``torch.optim.AdamW``'s, its
-refusals; the Triton kernel under Triton's CPU interpreter against torch's fused AdamW. The kernel
-on CUDA, bit for bit: ``tests/gpu/test_optim_cuda.py``."""
+refusals, its step hooks and schedulers; the Triton kernel under Triton's CPU interpreter against
+torch's fused AdamW. The kernel on CUDA, bit for bit: ``tests/gpu/test_optim_cuda.py``."""
 
 from __future__ import annotations
 
@@ -103,6 +103,40 @@ def test_closure_and_parameters_without_gradients() -> None:
     assert not torch.equal(params[0], before[0])
     assert all(torch.equal(p, q) for p, q in zip(params[1:], before[1:], strict=True))
     assert set(optimizer.state) == {params[0]}
+
+
+def test_step_hooks_and_a_scheduler_work_as_with_torch() -> None:
+    """A ``torch.optim.Optimizer`` like torch's: step pre- and post-hooks fire on every step, also
+    once an LR scheduler has wrapped ``step``, whose ``lr`` the update uses; the same bits as torch's
+    fused AdamW under the same schedule. Through the Trainer: ``tests/trainer/test_step_hooks.py``."""
+    ours, theirs = _params(), _params()
+    optimizers = [AdamW(ours, lr=1e-2), torch.optim.AdamW(theirs, lr=1e-2, fused=True)]
+    calls: list[str] = []
+    optimizers[0].register_step_pre_hook(lambda *_: calls.append("pre"))
+    optimizers[0].register_step_post_hook(lambda *_: calls.append("post"))
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5**step) for o in optimizers]
+    for step in range(3):
+        for params in (ours, theirs):
+            for p, grad in zip(params, _grads(params, 100 + step), strict=True):
+                p.grad = grad
+        for optimizer, scheduler in zip(optimizers, schedulers, strict=True):
+            optimizer.step()
+            scheduler.step()
+    assert calls == ["pre", "post"] * 3
+    assert optimizers[0].param_groups[0]["lr"] == 1e-2 * 0.5**3
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs, strict=True))
+    assert optimizers[0].kernel_launches == 0  # CPU: every tensor through torch._fused_adamw_
+
+
+def test_copies_keep_the_settings() -> None:
+    """``copy.deepcopy`` and pickling go through torch's ``__getstate__``, which keeps only the groups,
+    the state and the defaults; this class's own settings travel with them."""
+    import copy
+
+    optimizer = AdamW(_params(), min_kernel_numel=4096)
+    optimizer.kernel_launches = 3
+    twin = copy.deepcopy(optimizer)
+    assert (twin.min_kernel_numel, twin.kernel_launches) == (4096, 3)
 
 
 @pytest.mark.parametrize(
