@@ -260,7 +260,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             **fsdp_options(self),
         )
         for part in (selection.model, *selection.others.values(), *selection.extras.values()):
-            materialize_if_meta(part, self.root_device)
+            materialize_if_meta(part, self.root_device, pretrained_dtype=self._parameter_dtype())
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         check_all_sharded(module)
@@ -279,6 +279,14 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         )
         self._step_checks.watch_budgets(self._layers(), rerun=module.automatic_optimization)
         check_before_step(self.precision_plugin, self._step_checks)
+
+    def _parameter_dtype(self) -> torch.dtype:
+        """The dtype the parameters are kept in under the Trainer's precision: the compute dtype for
+        ``*-true``, fp32 master weights for ``*-mixed`` and ``32-true``."""
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        return {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}.get(
+            precision, torch.float32
+        )
 
     def _parallelize(self, hf_model: nn.Module) -> None:
         """Transform, optionally checkpoint, and shard ``hf_model`` (idempotent)."""

@@ -68,16 +68,25 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     return model
 
 
-def materialize_if_meta(model: nn.Module, device: torch.device | str) -> nn.Module:
+def materialize_if_meta(
+    model: nn.Module, device: torch.device | str, pretrained_dtype: torch.dtype | None = None
+) -> nn.Module:
     """``materialize`` ``model`` if it has meta tensors, then read the weights of a model built by
     ``lightning_ep.models.pretrained.from_pretrained`` from its folder (each rank only its own
-    shards, see ``load_pretrained_sharded``); a model with no meta tensor is left as it is."""
+    shards, see ``load_pretrained_sharded``); a model with no meta tensor is left as it is.
+
+    ``pretrained_dtype``: the floating dtype a pretrained model's parameters take before they are
+    allocated and read (a cast on the meta device, free), whatever dtype its folder's config names:
+    the strategy passes fp32 for ``bf16-mixed`` and ``32-true`` (the optimizer's master weights) and
+    bf16 for ``bf16-true``. ``None`` keeps the config's dtype."""
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return model
-    materialize(model, device)
     from lightning_ep.models.pretrained import PRETRAINED_ATTR
 
     folder = getattr(model, PRETRAINED_ATTR, None)
+    if folder is not None and pretrained_dtype is not None:
+        model.to(dtype=pretrained_dtype)
+    materialize(model, device)
     if folder is not None:
         from lightning_ep.models.hf_io import load_pretrained_sharded
 

@@ -1,5 +1,5 @@
 """A fine-tune from a published folder through the Trainer, launched as
-``torchrun --nproc-per-node N published_fit_worker.py FOLDER REFERENCE OUT``.
+``torchrun --nproc-per-node N published_fit_worker.py FOLDER REFERENCE OUT PRECISION``.
 
 ``configure_model`` builds the model with ``lightning_ep.models.pretrained.from_pretrained(FOLDER)``
 on the meta device; the strategy transforms it, shards it at degree 2 and reads each rank's blocks.
@@ -59,7 +59,7 @@ class FromFolder(LightningModule):
 
 def main() -> None:
     exit_when_parent_dies()
-    folder, reference, out = sys.argv[1:4]
+    folder, reference, out, precision = sys.argv[1:5]
     torch.manual_seed(0)
     tokens = torch.randint(0, 128, (8, 16))
     trainer = Trainer(
@@ -70,6 +70,7 @@ def main() -> None:
             timeout=timedelta(seconds=120),
         ),
         max_steps=2,
+        precision=precision,  # type: ignore[arg-type]
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

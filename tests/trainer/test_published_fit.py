@@ -1,9 +1,11 @@
 """Published folders through the documented path: ``from_pretrained(folder)`` in ``configure_model``
 and ``ExpertParallelStrategy(degree=2)`` on 2 gloo processes (``published_fit_worker.py``).
 
-DeepSeek-V3's FP8 release with its multi-token-prediction layer, and GPT-OSS's MXFP4 experts: at the
-start of training every parameter equals transformers' own dequantized load bit for bit, the
-multi-token-prediction weights are named once (on rank 0) as ignored, and two steps train.
+DeepSeek-V3's FP8 release with its multi-token-prediction layer, and GPT-OSS's MXFP4 experts, each
+with ``"dtype": "bfloat16"`` in its config as the releases have it: at the start of training every
+parameter equals transformers' own dequantized fp32 load bit for bit (under ``bf16-mixed`` the
+parameters are fp32 master weights, whatever dtype the config names), the multi-token-prediction
+weights are named once (on rank 0) as ignored, and two steps train.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import tiny_family
-from published import write_fp8, write_mxfp4
+from published import edit_config, write_fp8, write_mxfp4
 
 WORKER = Path(__file__).with_name("published_fit_worker.py")
 FORKRUN = [sys.executable, str(Path(__file__).parents[1] / "forkrun.py")]
@@ -55,11 +57,12 @@ def test_fit_from_a_published_folder(model_type: str, tmp_path: Path) -> None:
         folder = write_fp8(model, tmp_path / "hf", block=(8, 8), mtp=True)
     else:
         folder = write_mxfp4(model, tmp_path / "hf")
+    edit_config(folder, dtype="bfloat16")  # as the releases say; the fp32 master weights must not follow it
     torch.save(transformers_state(folder), tmp_path / "reference.pt")
     out = tmp_path / "result.json"
     cmd = [
         *FORKRUN, "--nproc-per-node=2", f"--master-port={_free_port()}", str(WORKER),
-        str(folder), str(tmp_path / "reference.pt"), str(out),
+        str(folder), str(tmp_path / "reference.pt"), str(out), "bf16-mixed",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
