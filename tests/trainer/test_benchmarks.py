@@ -10,6 +10,10 @@ not on the GPU machine.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import json
+import math
 import os
 import socket
 import subprocess
@@ -17,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_strategy import FORKRUN
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -128,3 +133,68 @@ def test_bench_sinkhorn_runs(tmp_path: Path) -> None:
     table = _table_rows(text)
     assert [row[0] for row in table] == ["64 x 8", "100 x 60"], text
     assert all(row[3] == "-" for row in table), text  # off CUDA: the torch iterations only
+
+
+PRECISION_SMOKE = ["--shape", "tiny", "--steps", "3", "--seq", "64", "--warmup", "2", "--time-from", "1"]
+
+
+def test_bench_precision_trains_every_row_from_one_start(tmp_path: Path) -> None:
+    rows = ["bf16-true", "bf16-mixed", "bf16-true+adamw"]  # bf16-true+sr needs torchao: GPU runs only
+    curves = tmp_path / "curves.json"
+    args = [*PRECISION_SMOKE, "--rows", *rows, "--init-dir", str(tmp_path / "init"), "--out", str(curves)]
+    text = _run("bench_precision.py", args, tmp_path, nproc=1)
+    table = _table_rows(text)
+    assert [row[0] for row in table] == rows and all(row[-1] == "ok" for row in table), text
+    runs = json.loads(curves.read_text())["runs"]
+    assert [run["row"] for run in runs] == rows
+    for run in runs:
+        assert len(run["losses"]) == 3 and all(math.isfinite(x) for x in run["losses"]), run
+        assert run["lrs"] == pytest.approx([5e-6, 1e-5, 1e-5], rel=1e-6), run  # warm-up 2, then the cosine's top
+    dtypes = [set(run["parameter_numel_by_dtype"]) for run in runs]
+    assert dtypes == [{"torch.bfloat16"}, {"torch.float32"}, {"torch.bfloat16"}]  # fp32 master weights: bf16-mixed
+    # One start, one stream, one order: lightning_ep.optim.AdamW (torch's fused AdamW bit for bit) repeats
+    # bf16-true's losses exactly; bf16-mixed starts from the same weights, computed with fp32 ones.
+    assert runs[2]["losses"] == runs[0]["losses"]
+    assert runs[1]["losses"][0] == pytest.approx(runs[0]["losses"][0], abs=1e-2)
+    assert runs[1]["gap_to_bf16_mixed"] == 0.0
+
+
+def test_bench_precision_schedule_fills_a_tensor_lr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchao's optimizers hold ``lr`` as a Tensor and step with that object: the schedule must fill it."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_precision")
+    p = torch.nn.Parameter(torch.zeros(2))
+    lr = torch.tensor(1e-3)
+    optimizer = torch.optim.AdamW([p], lr=lr, foreach=False)
+    scheduler = bench.make_scheduler(optimizer, warmup=2, steps=4)
+    applied = []
+    for _ in range(4):
+        applied.append(float(optimizer.param_groups[0]["lr"]))
+        p.grad = torch.ones(2)
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] is lr
+    assert applied == pytest.approx([1e-3 * bench.lr_factor(s, 2, 4) for s in range(4)], rel=1e-6)
+    assert applied == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--time-from", "3"], "--time-from 3 must lie in 0..2"),
+        (["--degree", "2"], "--degree 2 must divide the 1 process(es) launched"),
+        pytest.param(
+            ["--rows", "bf16-true", "bf16-true+sr"],
+            "--rows bf16-true+sr needs torchao (torchao.optim._AdamW)",
+            marks=pytest.mark.skipif(importlib.util.find_spec("torchao") is not None, reason="torchao is installed"),
+        ),
+    ],
+)
+def test_bench_precision_refuses_before_any_work(args: list[str], message: str, tmp_path: Path) -> None:
+    init = tmp_path / "init"
+    cmd = [sys.executable, str(BENCHMARKS / "bench_precision.py"), *PRECISION_SMOKE, "--init-dir", str(init), *args]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr, result.stderr
+    assert not list(tmp_path.glob("init*"))  # refused before the initial checkpoint was written
