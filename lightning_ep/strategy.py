@@ -36,6 +36,7 @@ from lightning_ep.execution_setup import (
     with_compile_layers,
 )
 from lightning_ep.model_selection import num_experts, select
+from lightning_ep.models.causal_mask import separate_packed_documents
 from lightning_ep.models.init import materialize_if_meta
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
@@ -289,8 +290,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         )
 
     def _parallelize(self, hf_model: nn.Module) -> None:
-        """Transform, optionally checkpoint, and shard ``hf_model`` (idempotent)."""
+        """Transform, optionally checkpoint, and shard ``hf_model`` (idempotent). Packed rows are masked
+        per document in every case, the model's own MoE blocks (``smp_moe=False``) included."""
         self._hf_model = hf_model
+        separate_packed_documents(hf_model)
         with shown_once(self.global_rank):
             fix = "drop the transform() call (the strategy transforms with its moe=) or pass it the same config"
             check_config_in_force(hf_model, self.moe, asked_by="ExpertParallelStrategy(moe=...)", fix=fix)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lightning_ep.models.causal_mask import skip_causal_mask
+from lightning_ep.models.causal_mask import separate_packed_documents, skip_causal_mask
 from lightning_ep.models.hf_compat import keep_hf_behaviour, refuse_transformers_expert_parallelism
 from lightning_ep.models.padding import watch_padding
 from lightning_ep.models.peft_lora import check_peft_model, check_router, peel_expert_adapters
@@ -39,6 +39,10 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
         config: routing, balancing and dispatch options; ``smp_moe=False`` returns ``model`` untouched.
         mesh: ``None`` for one process. A mesh from ``init_mesh`` shards the experts on its ``"ep"``
             axis and exchanges tokens there (see ``lightning_ep.parallel.expert``).
+    Packed rows (``position_ids`` restarting at 0 per document, no ``attention_mask``, as transformers'
+    ``DataCollatorWithFlattening`` makes them) are masked per document whatever ``config.use_cache``
+    says (``lightning_ep.models.causal_mask.separate_packed_documents``).
+
     Returns:
         ``model`` itself. Calling it again on a transformed model with the same ``config`` only
         applies ``mesh``; with another ``config`` it raises ``ValueError`` (``check_config_in_force``).
@@ -75,6 +79,7 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
         keep_hf_behaviour(model)
     watch_padding(model)
     skip_causal_mask(model)
+    separate_packed_documents(model)
     if mesh is not None:
         from lightning_ep.parallel.expert import parallelize_moe_layers
 

@@ -1,5 +1,6 @@
-"""``skip_causal_mask``: leave Hugging Face's attention-mask creation out of the calls whose mask is
-known on the host, which saves one host sync per forward.
+"""How a transformed model's calls reach Hugging Face's attention-mask creation: ``skip_causal_mask``
+leaves it out of the calls whose mask is known on the host, which saves one host sync per forward;
+``separate_packed_documents`` makes sure it sees the documents of a packed row.
 
 Each forward of a Hugging Face decoder (transformers 5) builds its attention mask with
 ``create_causal_mask``, which first decides on the host whether any mask is needed. It reads
@@ -24,11 +25,32 @@ Every other call runs Hugging Face's mask creation as before: one with a mask, p
 cache, with an argument outside ``_NEUTRAL``, with another attention implementation, chunked
 attention or sub-configs, with a sequence as long as the sliding window, or one traced by
 ``torch.compile``.
+
+**Packed rows.** A row packed from several documents, as transformers' ``DataCollatorWithFlattening``
+makes it, carries ``position_ids`` that restart at 0 at each document and no ``attention_mask``.
+Hugging Face masks each document apart only when its mask creation looks for packed sequences, which
+it does for a call with positions, no 2-D mask and no cache. A call that leaves ``use_cache`` unset
+takes it from ``config.use_cache``, which is on by default: the model then builds an empty KV cache
+first, the check is skipped, and the documents attend to each other. ``separate_packed_documents``
+puts a forward pre-hook on the model that runs every call with ``position_ids``, no
+``attention_mask``, no cache and ``use_cache`` unset with ``use_cache=False``, whatever the config
+says (the config itself is left as it is, so ``save_pretrained`` writes it unchanged). GPT-OSS's
+decoder (transformers 5.17 to 5.25) hands its mask functions no positions at all, so it never sees
+packed documents: for such a call the hook builds its masks (full and sliding-window) with the same
+functions given the positions, and passes them in as the call's mask mapping, which that decoder
+accepts. A training forward (the model in train mode) that asks for a cache in such a call
+(``use_cache=True``, or a cache passed in) is refused, since its documents would attend to each other;
+an evaluation call that asks for one is Hugging Face's as before. The hook reads no tensor. The check
+for packing is transformers': one host read of the positions per mask built in a forward (one for
+most families; two where a full and a sliding-window mask are built in every forward, as for GPT-OSS
+and Qwen2-MoE), before the first layer, never per layer. The MoE layers see no padding in a packed row
+and route every token once.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -51,6 +73,17 @@ _NEUTRAL = frozenset(
 )
 _OWN_CONFIG = "_lightning_ep_config_to_restore"  # the model's own config, while a call runs on the copy
 _HOOKED = "_lightning_ep_skips_causal_mask"
+# Names of the hooked forward's parameters, in order, while separate_packed_documents' hook is in place.
+_PACKING_PARAMETERS = "_lightning_ep_packing_parameters"
+_CACHES = ("cache", "past_key_values")  # the cache argument's name in transformers >= 5.24, and before
+# model_type -> the masks its decoder builds, by layer type, from transformers' functions that it calls
+# without the positions (GptOssModel, transformers 5.17 to 5.25), so that it never sees packed documents.
+_MASKS_BUILT_WITHOUT_POSITIONS: dict[str, tuple[tuple[str, str], ...]] = {
+    "gpt_oss": (
+        ("full_attention", "create_causal_mask"),
+        ("sliding_attention", "create_sliding_window_causal_mask"),
+    ),
+}
 
 
 def skip_causal_mask(model: nn.Module) -> bool:
@@ -119,3 +152,92 @@ def _register() -> None:
 
     if NAME not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(NAME, sdpa)
+
+
+def separate_packed_documents(model: nn.Module) -> bool:
+    """Put the pre-hook of the module docstring's "Packed rows" on the innermost Hugging Face base
+    model of ``model`` (``MixtralModel`` inside ``MixtralForCausalLM``, inside a PEFT model too), so that
+    a packed row (``position_ids`` restarting per document, no ``attention_mask``) is masked per
+    document whatever ``config.use_cache`` says. Idempotent; reads no tensor.
+
+    Returns:
+        Whether the hook is in place: ``False`` when the model's forward takes no ``position_ids`` or
+        no ``use_cache``.
+    """
+    base = _innermost_base_model(model)
+    if getattr(base, _PACKING_PARAMETERS, None) is not None:
+        return True
+    names = tuple(inspect.signature(base.forward).parameters)
+    if "position_ids" not in names or "use_cache" not in names:
+        return False
+    setattr(base, _PACKING_PARAMETERS, names)
+    base.register_forward_pre_hook(_no_cache_for_packed_rows, with_kwargs=True)
+    return True
+
+
+def _innermost_base_model(model: nn.Module) -> nn.Module:
+    """Follow ``base_model`` down (a PEFT model's is its tuner, whose ``base_model`` is the Hugging Face
+    model's) to the module that is its own ``base_model``: the decoder that builds the mask."""
+    base = model
+    for _ in range(8):  # nesting is shallow: PEFT model -> tuner -> causal LM -> decoder
+        inner = getattr(base, "base_model", base)
+        if inner is base or not isinstance(inner, nn.Module):
+            break
+        base = inner
+    return base
+
+
+def _no_cache_for_packed_rows(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    names: tuple[str, ...] = getattr(module, _PACKING_PARAMETERS)
+    given = {**dict(zip(names, args)), **kwargs}
+    position_ids = given.get("position_ids")
+    if position_ids is None or given.get("attention_mask") is not None:
+        return None  # nothing for Hugging Face to look for: one sequence per row, or the mask says it all
+    cache = next((given[name] for name in _CACHES if given.get(name) is not None), None)
+    use_cache = given.get("use_cache")
+    if cache is None and not use_cache:
+        updates: dict[str, Any] = {"use_cache": False}
+        masks = _MASKS_BUILT_WITHOUT_POSITIONS.get(str(getattr(module.config, "model_type", "")), ())
+        if masks:
+            updates["attention_mask"] = _masks_from_positions(module, given, position_ids, masks)
+        return _with_arguments(names, args, kwargs, updates)
+    if module.training:
+        if cache is not None:
+            asked, fix = "a cache", "pass none (cache=None / past_key_values=None)"
+        else:
+            asked, fix = (
+                "use_cache=True",
+                "leave use_cache unset (the call then runs with use_cache=False) or pass False",
+            )
+        raise ValueError(
+            f"{type(module).__name__} was called in train mode with {asked}, position_ids and no attention_mask: "
+            "with a KV cache transformers does not look for packed documents (position_ids restarting at 0), "
+            f"so the documents of a packed row would attend to each other. A training forward needs no cache: {fix}."
+        )
+    return None
+
+
+def _masks_from_positions(
+    module: nn.Module, given: dict[str, Any], position_ids: torch.Tensor, masks: tuple[tuple[str, str], ...]
+) -> dict[str, Any]:
+    """The masks the decoder ``module`` would build for this call had it handed its mask functions the
+    positions: ``{layer type: mask}``, each from transformers' own function, without a cache."""
+    from transformers import masking_utils
+
+    embeds = given.get("inputs_embeds")
+    if embeds is None:  # the mask functions read only its batch and sequence sizes, dtype and device
+        ids = given["input_ids"]
+        dtype = module.get_input_embeddings().weight.dtype  # type: ignore[operator]
+        embeds = torch.empty((*ids.shape, 0), dtype=dtype, device=ids.device)
+    # Positional: the cache argument is ``cache`` in transformers >= 5.24, ``past_key_values`` before.
+    return {
+        layer_type: getattr(masking_utils, function)(module.config, embeds, None, None, position_ids)
+        for layer_type, function in masks
+    }
+
+
+def _with_arguments(names: tuple[str, ...], args: tuple, kwargs: dict, updates: dict[str, Any]) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a call with the arguments named in ``updates`` set, where they were passed."""
+    positional = names[: len(args)]
+    args = tuple(updates.get(name, value) for name, value in zip(positional, args))
+    return args, {**kwargs, **{name: value for name, value in updates.items() if name not in positional}}
