@@ -69,6 +69,7 @@ _NEUTRAL = frozenset(
         "output_hidden_states",
         "output_router_logits",
         "return_dict",
+        "num_items_in_batch",  # the loss's divisor (token-weighted objective): the mask does not read it
     }
 )
 _OWN_CONFIG = "_lightning_ep_config_to_restore"  # the model's own config, while a call runs on the copy

@@ -1,5 +1,5 @@
-"""Import direction (DESIGN.md): ``lightning_ep.moe`` and ``lightning_ep.parallel`` are pure torch;
-they import neither Lightning nor transformers, not even lazily.
+"""Import direction (DESIGN.md): ``lightning_ep.moe``, ``lightning_ep.parallel`` and
+``lightning_ep.data`` are pure torch; they import neither Lightning nor transformers, not even lazily.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def test_importing_moe_pulls_in_neither_lightning_nor_transformers():
         "import json, sys\n"
         "import lightning_ep.moe\n"
         "import lightning_ep.moe.layer, lightning_ep.moe.routing.router, lightning_ep.moe.experts.grouped\n"
+        "import lightning_ep.data\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -59,7 +60,7 @@ def test_import_pattern_catches_what_it_should():
 def test_pure_torch_packages_have_no_forbidden_imports():
     scanned = []
     offenders = []
-    for sub in ("moe", "parallel"):
+    for sub in ("moe", "parallel", "data"):
         folder = PACKAGE / sub
         if not folder.is_dir():  # parallel/ may not exist yet; moe/ must
             assert sub != "moe"
