@@ -6,8 +6,11 @@ Hugging Face folder:
 
     python examples/finetune.py fit --config examples/configs/cpu_tiny.yaml
 
-``examples/configs/gpu_mixtral.yaml`` shows the GPU layout (bf16, degree 8, activation
-checkpointing) for a real Mixtral folder. ``examples/configs/cpu_tiny_lora.yaml`` trains LoRA
+``examples/configs/gpu_mixtral.yaml`` shows the GPU layout for a real Mixtral folder on one node
+(``bf16-true``, so that Mixtral-8x7B's states fit 8 GPUs of 80 GB, with torchao's stochastic-rounding
+AdamW so that small updates are not rounded away; degree 8, activation checkpointing). For a real
+fine-tune (a tokenizer, chat data, a schedule, weight-decay groups) see ``examples/chat_finetune.py``.
+``examples/configs/cpu_tiny_lora.yaml`` trains LoRA
 adapters (PEFT's ``LoraConfig``, on attention and experts) instead of every weight, and exports the
 adapter in PEFT's format beside the merged model.
 """
@@ -75,6 +78,10 @@ class MoECausalLM(LightningModule):
         lora: keyword arguments of a ``peft.LoraConfig`` (e.g. ``r``, ``target_modules``,
             ``target_parameters``): the model is wrapped by ``peft.get_peft_model`` and only the
             adapters train. ``None``: full fine-tuning.
+        optimizer: ``"adamw"``: ``lightning_ep.optim.AdamW`` (torch's fused AdamW). ``"adamw_sr"``:
+            torchao's AdamW with bf16 stochastic rounding, for ``precision="bf16-true"``: bf16
+            weights round an update below half their last bit away, at fine-tuning learning rates
+            most of them; stochastic rounding lands them on average (``pip install torchao``).
     """
 
     def __init__(
@@ -84,10 +91,13 @@ class MoECausalLM(LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.0,
         lora: dict[str, Any] | None = None,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
         if (model is None) == (pretrained is None):
             raise ValueError("MoECausalLM: pass exactly one of `model` (a MixtralConfig dict) or `pretrained`.")
+        if optimizer not in ("adamw", "adamw_sr"):
+            raise ValueError(f"MoECausalLM(optimizer={optimizer!r}): choose 'adamw' or 'adamw_sr'.")
         self.save_hyperparameters()
         self.model: torch.nn.Module | None = None
 
@@ -115,6 +125,16 @@ class MoECausalLM(LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # torch's fused AdamW, bit for bit, with one Triton kernel per large CUDA tensor (torch's kernels on the CPU).
         trainable = [p for p in self.parameters() if p.requires_grad]  # with LoRA: the adapters only
+        if self.hparams.optimizer == "adamw_sr":
+            try:
+                from torchao.optim import _AdamW
+            except ImportError as err:
+                raise ImportError(
+                    "MoECausalLM(optimizer='adamw_sr') needs torchao (pip install torchao); or train in "
+                    "precision='bf16-mixed' with optimizer='adamw'."
+                ) from err
+            hyper = {"lr": self.hparams.lr, "weight_decay": self.hparams.weight_decay}
+            return _AdamW(trainable, **hyper, bf16_stochastic_round=True)
         return AdamW(trainable, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 
