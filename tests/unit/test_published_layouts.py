@@ -60,7 +60,10 @@ def transformers_load(folder: Path) -> nn.Module:
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    # transformers 5.17 leaves a quantized release's unquantized weights in their stored bf16 despite
+    # dtype=float32; their values are exact in fp32, so the reference computes in fp32 either way.
+    return model.float().eval()
 
 
 def ours(model_type: str, folder: Path) -> nn.Module:
