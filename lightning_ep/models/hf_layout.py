@@ -126,15 +126,17 @@ def _expert_and_part(key: str, converter: Any, pattern: str) -> tuple[int, int]:
 
 
 def _ignorable(name: str, hf_model: nn.Module) -> str | None:
-    """Why transformers ignores a folder key the model has no parameter for, or ``None``."""
+    """Why transformers ignores a folder key the model has no parameter for, or ``None``: the class's
+    own ``_keys_to_ignore_on_load_unexpected`` first, then layers past ``num_hidden_layers`` of a config
+    with multi-token prediction."""
+    patterns = list(getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    if any(re.search(p, name) for p in [*patterns, r"rotary_emb\.inv_freq"]):
+        return f"weights {type(hf_model).__name__} lists in _keys_to_ignore_on_load_unexpected"
     config = getattr(hf_model, "config", None)
     mtp = getattr(config, "num_nextn_predict_layers", None) or getattr(config, "num_mtp_layers", None) or 0
     layer = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
     if mtp and layer is not None and int(layer.group(1)) >= int(getattr(config, "num_hidden_layers", 0)):
         return "multi-token-prediction weights"
-    patterns = list(getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or [])
-    if any(re.search(p, name) for p in [*patterns, r"rotary_emb\.inv_freq"]):
-        return f"weights {type(hf_model).__name__} lists in _keys_to_ignore_on_load_unexpected"
     return None
 
 

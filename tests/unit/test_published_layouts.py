@@ -260,6 +260,23 @@ def test_from_pretrained_meta_build_and_export_round_trip(tmp_path: Path, model_
 # --------------------------------------------------------------------------------------------
 
 
+def test_keys_the_class_ignores_are_ignored_and_named(tmp_path: Path) -> None:
+    """DeepSeek-V3's class lists ``model\\.layers\\.61.*`` (the release's multi-token-prediction layer)
+    in ``_keys_to_ignore_on_load_unexpected``: such keys are skipped, and named in the warning as the
+    class's."""
+    folder = tmp_path / "ds"
+    tiny_family("deepseek_v3", seed=3).save_pretrained(folder)
+    state = read_folder(folder)
+    state["model.layers.61.eh_proj.weight"] = torch.zeros(64, 128)
+    write_shards(state, folder, shards=1)
+    model = lightning_ep.transform(tiny_family("deepseek_v3", seed=11), CONFIG)
+    with pytest.warns(
+        UserWarning, match=r"1 weights DeepseekV3ForCausalLM lists in _keys_to_ignore_on_load_unexpected"
+    ):
+        load_pretrained_sharded(model, folder)
+    assert_same(model, transformers_load(folder))
+
+
 def test_a_key_of_no_parameter_still_fails(tmp_path: Path) -> None:
     folder = tmp_path / "ds"
     tiny_family("deepseek_v3", seed=3).save_pretrained(folder)
