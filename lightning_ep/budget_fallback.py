@@ -1,42 +1,41 @@
-"""A training forward over a static row budget runs again on the dynamic plan: never an error,
-never a dropped token.
+"""A forward over a static row budget runs again on the dynamic plan: never an error, never a
+dropped token.
 
 A static plan (``Execution(row_budget=...)``) sizes its exchanges from a row budget and reads
 nothing on the host, so a layer whose routing exceeds the budget leaves rows out of its output.
 Its ``RowBudget`` notes that on the device, with the same loads on every rank (they come from the
-gathered counts). ``BudgetFallback.run`` wraps the ``training_step`` call: after the forward it reads
-the notes (one host sync per training forward), and if a layer went over, it puts that forward's
-state back and runs ``training_step`` again with the layers over budget on their dynamic plan (one
-host sync each), until none is over. Then:
+gathered counts). ``BudgetFallback.attach`` puts two hooks on the model: a forward pre-hook (the
+first to run) keeps the call's arguments and the random state, and a forward hook (the last) reads
+the notes (one host sync per forward with gradients) and, if a layer went over, puts the random
+state back and calls the model again with the layers over budget on their dynamic plan (one host
+sync each), until none is over; the model's caller gets that call's output. So:
 
-- the random state is the one the first run started from: torch's CPU and CUDA generators, and
+- the random state is the one the first call started from: torch's CPU and CUDA generators, and
   each MoE layer's draw counter (router jitter, token shuffle) and pending ``"balanced"`` load;
-- ``self.log`` calls inside ``training_step`` are held back and made once, from the run that counts;
+- only the model's forward runs again: a user's ``training_step`` (its ``self.log`` calls, its
+  metrics) runs once, under automatic and manual optimization alike;
 - an automatic budget grows to fit the loads seen (``RowBudget.grow``; CUDA graphs of the layer are
   released and captured anew); a forced one stays;
-- the reruns so far are logged as ``moe/budget_reruns`` at every step.
+- ``reruns`` counts the forwards run again (the strategy logs it as ``moe/budget_reruns``).
 
-The discarded forward was never backpropagated, so the gradients are exactly those of the dynamic
-plan. Other side effects of a user's ``training_step`` (a torchmetrics ``update``, a counter) happen
-once per run. Under manual optimization the step cannot be run again (its backward and optimizer
-step ran inside ``training_step``): an excess raises there instead.
+The discarded forward is never backpropagated, so the gradients are exactly those of the dynamic
+plan. Forwards without gradients (evaluation) take the dynamic plan already.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
     from lightning_ep.moe.layer import MoELayer
 
 
 class BudgetFallback:
-    """Runs ``training_step`` under the layers' row budgets (see the module docstring).
+    """Reruns the model's forwards that went over a row budget (see the module docstring).
 
     Args:
         layers: the model's MoE layers; those whose dispatcher has a budget are watched.
@@ -45,25 +44,36 @@ class BudgetFallback:
     def __init__(self, layers: list[MoELayer]) -> None:
         self.layers = [lr for lr in layers if getattr(lr.dispatcher, "budget", None) is not None]
         self._all = layers  # whose random state a rerun puts back
-        #: Training forwards run again since setup.
+        #: Forwards run again since setup.
         self.reruns = 0
+        self._call: tuple[tuple[Any, ...], dict[str, Any], dict[str, Any]] | None = None
+        self._rerunning = False
 
-    def run(self, module: pl.LightningModule | None, step: Callable[[], Any]) -> Any:
-        """``step()`` (the ``training_step`` call), run again while a layer is over its budget
-        (without watched layers: once, as it is)."""
-        if not self.layers or module is None:
-            return step()
-        saved = _save_state(self._all)
-        held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-        module.log = lambda *args, **kwargs: held.append((args, kwargs))  # type: ignore[method-assign]
+    def attach(self, model: nn.Module) -> list[RemovableHandle]:
+        """Hook ``model`` (the Hugging Face model whose forward calls the layers); nothing without
+        watched layers. Returns the handles."""
+        if not self.layers:
+            return []
+        return [
+            model.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
+            model.register_forward_hook(self._after, with_kwargs=True),
+        ]
+
+    def _before(self, _model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self._rerunning and torch.is_grad_enabled():
+            self._call = (args, dict(kwargs), _save_state(self._all))
+
+    def _after(self, model: nn.Module, _args: Any, _kwargs: Any, output: Any) -> Any:
+        if self._rerunning or self._call is None:
+            return None
+        (args, kwargs, saved), self._call = self._call, None
+        over = self._over_budget()
+        if not over:
+            return None
+        self._rerunning = True
         try:
-            while True:
-                output = step()
-                over = self._over_budget()
-                if not over:
-                    break
+            while over:
                 del output
-                held.clear()
                 _restore_state(self._all, saved)
                 self.reruns += 1
                 for layer, loads in over:
@@ -71,14 +81,12 @@ class BudgetFallback:
                     dispatcher.dynamic = True
                     if dispatcher.budget.grow(loads):
                         layer.release_graphs()  # captured for the old budget's shapes
+                output = model(*args, **kwargs)
+                over = self._over_budget()
         finally:
-            del module.log  # the class's method again
+            self._rerunning = False
             for layer in self.layers:
                 layer.dispatcher.dynamic = False  # type: ignore[attr-defined]
-        for args, kwargs in held:
-            module.log(*args, **kwargs)
-        # A CPU tensor: the loggers read it without waiting for the GPU.
-        module.log("moe/budget_reruns", torch.tensor(float(self.reruns)), on_step=True, on_epoch=False, sync_dist=False)
         return output
 
     def _over_budget(self) -> list[tuple[MoELayer, list[int]]]:

@@ -70,10 +70,12 @@ def expert_elements(model: nn.Module) -> int:
 def _accumulation(strategy: ExpertParallelStrategy) -> int:
     """The micro-batches per optimizer step (1 without a Trainer, or under manual optimization)."""
     module = strategy.lightning_module
-    trainer = getattr(module, "_trainer", None) if module is not None else None
-    if module is None or trainer is None or not module.automatic_optimization:
+    if module is None or not module.automatic_optimization:
         return 1
-    return int(trainer.accumulate_grad_batches)
+    try:
+        return int(module.trainer.accumulate_grad_batches)
+    except RuntimeError:  # not attached to a Trainer
+        return 1
 
 
 def fsdp_options(strategy: ExpertParallelStrategy) -> dict[str, Any]:

@@ -1,14 +1,20 @@
 """What ``ExpertParallelStrategy`` does around each training step: the MoE losses averaged over
-ranks and logged, the non-finite check, and the precision plugin's clipping and check hooks."""
+ranks and logged, the non-finite check, the row budgets' reruns, and clipping across meshes.
+
+The strategy runs ``StepChecks.before_optimizer_step`` from the closure it hands the precision
+plugin (``ExpertParallelStrategy.optimizer_step``), and the precision plugin Lightning picks for the
+Trainer's ``precision`` is replaced by its subclass here that clips across meshes (``mesh_aware``)."""
 
 from __future__ import annotations
 
-import types
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from lightning_ep.budget_fallback import BudgetFallback
 from lightning_ep.moe.dispatch.host import HostCopy
@@ -23,7 +29,8 @@ class StepChecks:
     """Per-step MoE losses and non-finite flags, averaged over ranks with one all-reduce.
 
     ``after_forward`` runs after each ``training_step``; ``before_optimizer_step`` once the closure
-    (forward and backward) has been launched, before the optimizer step (see ``check_before_step``).
+    (forward and backward) has been launched, before the optimizer step and Lightning's
+    ``on_before_optimizer_step`` hooks and clipping (``ExpertParallelStrategy.optimizer_step``).
     Each forward's averaged values are copied to pinned host memory right after its all-reduce
     (queued, not waited for); ``before_optimizer_step`` waits for the last copy, which is the
     forward's end, not the backward's, raises on a non-finite flag and logs the losses averaged over
@@ -50,8 +57,9 @@ class StepChecks:
         self._pending: list[HostCopy] = []
         # The layers' dispatchers that keep a static row budget (``watch_budgets``).
         self._budgets: list[Any] = []
-        #: Runs ``training_step`` again when a forward went over a budget (``watch_budgets(rerun=True)``).
+        #: Runs a forward again when it went over a budget (``watch_budgets``).
         self.fallback = BudgetFallback([])
+        self._hooks: list[RemovableHandle] = []
 
     def after_forward(self, layers: list[MoELayer], module: pl.LightningModule, device: torch.device) -> None:
         """Average the per-layer losses and non-finite flags over ranks (one all-reduce, no host
@@ -59,7 +67,7 @@ class StepChecks:
         inside ``training_step``) the flags are read and the losses logged at once."""
         if not layers or not (self.check_finite or self.log_losses):
             if not module.automatic_optimization:
-                self._raise_if_over_budget()
+                self.before_optimizer_step(module)
             return
         self._layers = layers
         parts = [*(lr.aux_loss for lr in layers), *(lr.z_loss for lr in layers)]
@@ -84,6 +92,9 @@ class StepChecks:
         if pending and self.check_finite:
             self._raise_if_nonfinite(torch.stack([copy.host[2 * n :] for copy in pending]).amax(0), module)
         self._raise_if_over_budget()
+        if module is not None and self.fallback.layers:  # a CPU tensor: read without waiting for the GPU
+            reruns = torch.tensor(float(self.fallback.reruns))
+            module.log("moe/budget_reruns", reruns, on_step=True, on_epoch=False, sync_dist=False)
         if not pending or module is None or not self.log_losses:
             return
         total = pending[0].host[: 2 * n]
@@ -97,16 +108,24 @@ class StepChecks:
         per_layer |= {f"moe/layer_{i}/z_loss": z[i] for i in range(n)}
         module.log_dict(per_layer, sync_dist=False, on_step=True, on_epoch=False)
 
-    def watch_budgets(self, layers: list[MoELayer], *, rerun: bool = False) -> None:
+    def watch_budgets(self, layers: list[MoELayer], model: nn.Module | None = None) -> None:
         """Check the row budgets of ``layers``' dispatchers (a static plan) on every rank at once,
         instead of at their dispatches (where the copy of an excess may reach one rank's host before
-        another's): under automatic optimization ``BudgetFallback`` reads them after each training
-        forward and reruns it; what it has not read (manual optimization) raises before the optimizer
-        step or after ``training_step``. ``rerun``: let ``fallback`` rerun the forwards over budget."""
+        another's): ``fallback``'s hooks on ``model`` read them after each forward and run it again;
+        what they have not read (no ``model``, or a forward that bypassed it) raises before the
+        optimizer step."""
+        self.release()
         self._budgets = [lr.dispatcher for lr in layers if getattr(lr.dispatcher, "budget", None) is not None]
-        self.fallback = BudgetFallback(layers if rerun else [])
+        self.fallback = BudgetFallback(layers if model is not None else [])
+        self._hooks = self.fallback.attach(model) if model is not None else []
         for dispatcher in self._budgets:
             dispatcher.budget.raise_at_dispatch = False
+
+    def release(self) -> None:
+        """Remove the budget fallback's hooks from the model."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _raise_if_over_budget(self) -> None:
         """Dispatchers with a static row budget (symmetric memory with ``max_tokens_per_rank``) left
@@ -120,13 +139,21 @@ class StepChecks:
         if not bool(flags.any()):
             return
         bad = [i for i, flag in enumerate(flags.tolist()) if flag > 0]
-        step = module.trainer.global_step if module is not None and module._trainer is not None else -1
+        step = _global_step(module)
         layers = [self._layers[i] for i in bad if i < len(self._layers)]
         raise FloatingPointError(
             f"non-finite router logits or outputs in MoE layer(s) {bad} at global step {step} (on at least "
             f"one rank). {nonfinite_fix(self.precision, layers)} ExpertParallelStrategy(check_finite=False) "
             "skips this check."
         )
+
+
+def _global_step(module: pl.LightningModule | None) -> int:
+    """The Trainer's global step, -1 without one."""
+    try:
+        return module.trainer.global_step if module is not None else -1
+    except RuntimeError:  # not attached to a Trainer
+        return -1
 
 
 def _queue_to_host(values: torch.Tensor) -> HostCopy:
@@ -150,33 +177,42 @@ def nonfinite_fix(precision: str, layers: list[MoELayer]) -> str:
     return "Lower the learning rate, raise moe_z_loss_coeff, or clip gradients;"
 
 
-def check_before_step(plugin: Any, checks: StepChecks) -> None:
-    """Run ``checks.before_optimizer_step`` after the closure (forward and backward launched), before
-    the optimizer step: every Lightning precision plugin calls ``_after_closure`` there."""
-    after_closure = plugin._after_closure
+class _ClipsAcrossMeshes:
+    """Lightning's ``gradient_clip_val`` through ``clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_``
+    fails once parameters live on two meshes; the exact norm needs per-mesh partial norms combined
+    across ranks. Clipping by value clamps each rank's local shard."""
 
-    def checked(model: pl.LightningModule, optimizer: Any) -> None:
-        checks.before_optimizer_step(model)
-        after_closure(model, optimizer)
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        clip_grad_norm_(list(self.main_params(optimizer)), clip_val)  # type: ignore[attr-defined]
 
-    plugin._after_closure = checked
-
-
-def use_mesh_aware_clipping(plugin: Any) -> None:
-    """Route Lightning's ``gradient_clip_val`` through ``clip_grad_norm_``.
-
-    ``torch.nn.utils.clip_grad_norm_`` fails once parameters live on two meshes; the exact norm
-    needs per-mesh partial norms combined across ranks.
-    """
-
-    def clip_grad_by_norm(_self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        clip_grad_norm_(list(plugin.main_params(optimizer)), clip_val)
-
-    def clip_grad_by_value(_self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        for p in plugin.main_params(optimizer):
+    def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        for p in self.main_params(optimizer):  # type: ignore[attr-defined]
             if p.grad is not None:
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 grad.clamp_(-clip_val, clip_val)
 
-    plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
-    plugin.clip_grad_by_value = types.MethodType(clip_grad_by_value, plugin)
+
+class MeshAwarePrecision(_ClipsAcrossMeshes, Precision):
+    """``32-true``, clipping across meshes."""
+
+
+class MeshAwareHalfPrecision(_ClipsAcrossMeshes, HalfPrecision):
+    """``bf16-true`` / ``16-true``, clipping across meshes."""
+
+
+class MeshAwareMixedPrecision(_ClipsAcrossMeshes, MixedPrecision):
+    """``bf16-mixed``, clipping across meshes."""
+
+
+def mesh_aware(plugin: Precision) -> Precision:
+    """The precision plugin Lightning chose for the Trainer's ``precision``, as its subclass that clips
+    across meshes (the same arguments); a plugin of another class (a user's own) is kept as it is."""
+    kind = type(plugin)
+    if kind is Precision:
+        return MeshAwarePrecision()
+    if kind is HalfPrecision:
+        return MeshAwareHalfPrecision(plugin.precision)  # type: ignore[arg-type]
+    if kind is MixedPrecision:
+        mixed: Any = plugin
+        return MeshAwareMixedPrecision(mixed.precision, mixed.device, mixed.scaler)
+    return plugin

@@ -7,13 +7,14 @@ everything with FSDP2, materialises meta weights, and then lets Lightning set up
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -51,7 +52,7 @@ from lightning_ep.parallel.fsdp import (
     shard_named_blocks,
 )
 from lightning_ep.parallel.mesh import check_layout, init_mesh
-from lightning_ep.step_checks import StepChecks, check_before_step, use_mesh_aware_clipping
+from lightning_ep.step_checks import StepChecks, mesh_aware
 from lightning_ep.strategy_args import check_arguments, check_can_checkpoint, check_devices, check_precision
 from lightning_ep.transform import check_config_in_force, moe_layers, transform
 
@@ -274,12 +275,25 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             self._bias_hooks = update_biases_after_each_step(self.optimizers, selection.model)
         rank_zero_info(self.resolved.table())  # once the optimizers exist: the fused_adamw row reports them
         self.setup_precision_plugin()
-        use_mesh_aware_clipping(self.precision_plugin)
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._step_checks.release()
         self._step_checks = StepChecks(
             check_finite=self.check_finite, log_losses=self.log_moe_losses, precision=self.precision_plugin.precision
         )
-        self._step_checks.watch_budgets(self._layers(), rerun=module.automatic_optimization)
-        check_before_step(self.precision_plugin, self._step_checks)
+        assert self._hf_model is not None
+        self._step_checks.watch_budgets(self._layers(), self._hf_model)
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> Precision:
+        return ModelParallelStrategy.precision_plugin.fget(self)  # type: ignore[attr-defined]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        """Lightning's plugin for the Trainer's precision, as its subclass that clips gradients across
+        meshes (``lightning_ep.step_checks.mesh_aware``)."""
+        ModelParallelStrategy.precision_plugin.fset(self, None if plugin is None else mesh_aware(plugin))  # type: ignore[attr-defined]
 
     def _parameter_dtype(self) -> torch.dtype:
         """The dtype the parameters are kept in under the Trainer's precision: the compute dtype for
@@ -334,6 +348,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             layer.release_graphs()
         for handle in self._bias_hooks:  # a later fit's optimizers get their own
             handle.remove()
+        self._step_checks.release()
         super().teardown()
 
     # ----------------------------------------------------------------------------- checkpoints
@@ -392,9 +407,30 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        step = super().training_step  # run again by the budget fallback if over a static row budget
+        output = super().training_step(*args, **kwargs)
         module = self.lightning_module
-        output = self._step_checks.fallback.run(module, lambda: step(*args, **kwargs))
-        if module is not None and module._current_fx_name == "training_step":
+        if module is not None:
             self._step_checks.after_forward(self._layers(), module, self.root_device)
         return output
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """The precision plugin's step, whose closure (forward and backward) is followed by the step
+        checks: the non-finite flags, the row budgets and the MoE losses' logging (``StepChecks``)."""
+
+        def checked() -> Any:
+            result = closure()
+            self._step_checks.before_optimizer_step(self.lightning_module)
+            return result
+
+        return super().optimizer_step(optimizer, checked, model, **kwargs)
+
+
+def _optimizers_to_device(optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
+    """Move optimizer state that is not on ``device`` there (as ``ModelParallelStrategy.setup`` does);
+    the ``step`` counts stay where they are, DTensors are placed by their mesh already."""
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                    state[key] = value.to(device)
