@@ -163,7 +163,8 @@ def variant(name: str) -> Iterator[None]:
     - ``eager-head``: they leave the output projection and the final norm eager (``compile_head``);
     - ``eager-norm``: they leave the final norm before it eager (``compile_final_norm``);
     - ``dedup``: nothing patched here; ``bench_layer`` sets the all-to-all dispatcher's ``dedup``
-      (``MoEConfig.token_dedup``; ``bench_step`` has the row option ``+dedup`` for it);
+      (``LayerExecution(token_dedup=True)``; ``bench_step`` has the row option ``+dedup`` for it,
+      ``Execution(token_dedup=True)``);
     - ``wide-sort-keys``: expert ids sorted as int64 keys (8 radix passes on CUDA), not narrowed;
     - ``unfused-copy-sum``: the dispatch's backward sums a token's K gradient copies by a gather
       into ``[T, K, H]`` and a sum, not the one-pass kernel (``combine.sum_copies``);

@@ -8,9 +8,9 @@ code variant it reports:
   run whose tensors carry identity autograd marks that record a CUDA event in forward and in
   backward (so backward phases are timed too); the marks cost a few microseconds each;
 - ``syncs``: device-to-host synchronisations of one fwd+bwd (``torch.cuda.set_sync_debug_mode``);
-- the floor of ``shared/notes/anchors.md``: expert compute ``18 * M * H * I`` at the grouped-GEMM
-  rate, measured in this run on the layer's own per-expert row counts, plus four all-to-alls of
-  the dispatched rows at the bandwidth measured in this run (``4 * t_a2a``; 0 at degree 1).
+- the floor: expert compute ``18 * M * H * I`` at the grouped-GEMM rate, measured in this run on
+  the layer's own per-expert row counts, plus four all-to-alls of the dispatched rows at the
+  bandwidth measured in this run (``4 * t_a2a``; 0 at degree 1).
 
 Variants (each toggles one change of the hot path, so its effect is measured in the same run):
 ``fast`` (the code as it is), ``sync-counts`` (counts per expert by ``torch.bincount``, which
@@ -18,11 +18,12 @@ reads the maximum id back to the host), ``atomic-bwd`` (permutations by ``index_
 backward zero-fills and scatter-adds), ``reference`` (both), ``serial-shared`` (shapes with a
 shared expert: it runs after the dispatch exchange instead of during it). With a shared expert,
 ``all-to-all`` is the exchange time left exposed after the shared expert's work. Dispatcher
-``symm`` (``MoEConfig(symmetric_memory_dispatch=True)``) has no separate exchange: its pulls are
+``symm`` (``LayerExecution(exchange="symmetric_memory")``) has no separate exchange: its pulls are
 timed in ``permutation`` (dispatch) and ``combine``; ``symm-budget`` is the same with
-``max_tokens_per_rank = --row-budget x tokens x top_k`` (the static plan: no host sync), and
-``symm-graph`` that plan with ``MoEConfig(cuda_graphs=True)`` (dispatch, experts and combine replayed
-as CUDA graphs, captured during the warm-up; no phases: the marked run would be eager).
+``row_budget = --row-budget x tokens x top_k`` (the static plan: no host sync), and ``symm-graph``
+that plan with ``cuda_graphs=True`` (dispatch, experts and combine replayed as CUDA graphs, captured
+during the warm-up; no phases: the marked run would be eager). The ``dedup`` variant runs the
+``a2a`` dispatcher deduplicated (``LayerExecution(token_dedup=True)``).
 
 Run (two GPUs; degree 1 runs on each GPU alone):
 
@@ -61,6 +62,7 @@ from _common import (
 from _variants import VARIANTS, variant
 from torch import nn
 
+from lightning_ep import LayerExecution
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
 from lightning_ep.moe.dispatch import all_to_all as dispatch_ep
 
@@ -229,8 +231,10 @@ class SharedExpert(nn.Module):
 def parallelize(
     layer: MoELayer, degree: int, dispatcher: str, device: torch.device, budget: int | None = None
 ) -> MoELayer:
-    """Shard the experts over ``degree`` ranks (``degree == world``) and pick the dispatcher
-    (``budget``: ``max_tokens_per_rank`` of ``symm-budget`` and ``symm-graph``)."""
+    """Shard the experts over ``degree`` ranks (``degree == world``) and pick the dispatcher, as
+    ``transform(..., mesh=..., execution=...)`` does for a model: the layer's ``LayerExecution``, then
+    ``parallelize_moe_layers`` (``make_dispatcher``). ``budget``: the ``row_budget`` of ``symm-budget``
+    and ``symm-graph``."""
     if degree == 1:
         return layer
     import dataclasses
@@ -238,13 +242,13 @@ def parallelize(
     from lightning_ep.parallel.expert import parallelize_moe_layers
     from lightning_ep.parallel.mesh import init_mesh
 
-    layer.config = dataclasses.replace(
-        layer.config,
-        moe_all_to_all_dispatcher=dispatcher != "allgather",
-        symmetric_memory_dispatch=dispatcher.startswith("symm"),
-        max_tokens_per_rank=budget if dispatcher in ("symm-budget", "symm-graph") else None,
+    layer.config = dataclasses.replace(layer.config, moe_all_to_all_dispatcher=dispatcher != "allgather")
+    execution = LayerExecution(
+        exchange="symmetric_memory" if dispatcher.startswith("symm") else "collective",
+        row_budget=budget if dispatcher in ("symm-budget", "symm-graph") else None,
         cuda_graphs=dispatcher == "symm-graph",
     )
+    layer.set_execution(execution)  # make_dispatcher checks it for the degree
     holder = nn.ModuleDict({"moe": layer})
     parallelize_moe_layers(holder, init_mesh(degree, device_type=device.type))
     return layer
@@ -280,7 +284,7 @@ def measure(
 
     total = median_ms(step, device, args.warmup, args.iters)
     syncs = count_host_syncs(step)
-    if layer.config.cuda_graphs:  # the marked run is eager: no phases of the graphs
+    if layer.execution.cuda_graphs:  # the marked run is eager: no phases of the graphs
         return {"total": total, "marked": float("nan"), "syncs": syncs, **dict.fromkeys(PHASES, float("nan"))}
 
     phase_samples: dict[str, list[float]] = {p: [] for p in PHASES}
@@ -305,7 +309,7 @@ def measure(
 def floor_ms(
     layer: MoELayer, shape: Shape, tokens: int, device: torch.device, dtype: torch.dtype, dense_tflops: float
 ) -> dict:
-    """The anchors.md floor, from ceilings measured now on this layer's own routing; a shared
+    """The floor (the module docstring's), from ceilings measured now on this layer's own routing; a shared
     expert adds its ``18 * T * H * I_shared`` FLOPs at the dense GEMM rate (no overlap assumed)."""
     with torch.no_grad():
         x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
@@ -338,7 +342,12 @@ def main() -> None:
     parser.add_argument("--degrees", nargs="+", type=int, default=None, help="default: 1 and the world size")
     dispatchers = ["a2a", "allgather", "symm", "symm-budget", "symm-graph"]
     parser.add_argument("--dispatchers", nargs="+", default=["a2a", "allgather"], choices=dispatchers)
-    parser.add_argument("--row-budget", type=float, default=1.25, help="symm-budget: budget over tokens x top_k")
+    parser.add_argument(
+        "--row-budget",
+        type=float,
+        default=1.25,
+        help="symm-budget and symm-graph rows: LayerExecution(row_budget=...) over tokens x top_k",
+    )
     parser.add_argument(
         "--compile", action="store_true", help="MoELayer.compile_routing(): the routing (and a symm plan) compiled"
     )
@@ -379,7 +388,7 @@ def main() -> None:
                     if name == "serial-shared" and not shape.shared_inter:
                         continue
                     layer.overlap_shared = name != "serial-shared"
-                    if hasattr(layer.dispatcher, "dedup"):  # the all-to-all dispatcher
+                    if hasattr(layer.dispatcher, "dedup"):  # the all-to-all: LayerExecution(token_dedup=...)
                         layer.dispatcher.dedup = name == "dedup"  # type: ignore[attr-defined]
                     with variant(name):
                         result = measure(layer, shape, args.tokens, device, dtype, args)

@@ -557,7 +557,11 @@ def main() -> None:
     parser.add_argument("--balancing", default="none", choices=["none", "aux_loss", "sinkhorn", "balanced"])
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument(
-        "--row-budget", type=float, default=1.25, help="+budget rows: max_tokens_per_rank over tokens x top_k"
+        "--row-budget",
+        type=float,
+        default=1.25,
+        help="+budget rows: Execution(row_budget=...) over the rows a rank's experts receive on average "
+        "(batch x seq x top_k), rounded up to 128",
     )
     parser.add_argument(
         "--optimizer",

@@ -13,6 +13,7 @@ from lightning_ep.execution import Execution
 from lightning_ep.models.freeze import freeze_routers
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
+from lightning_ep.moe.layer_execution import LayerExecution
 from lightning_ep.parallel.fsdp import shard_model
 from lightning_ep.parallel.grad_norm import clip_grad_norm_
 from lightning_ep.parallel.mesh import init_mesh
@@ -21,6 +22,7 @@ from lightning_ep.transform import moe_layers, transform
 __all__ = [
     "Execution",
     "ExpertParallelStrategy",
+    "LayerExecution",
     "MoEConfig",
     "MoELayer",
     "MoEMonitor",

@@ -49,10 +49,11 @@ What each choice does:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from lightning_ep.execution_adamw import fused_adamw_row
 from lightning_ep.moe.config import MoEConfig
+from lightning_ep.moe.layer_execution import LayerExchange, LayerExecution
 
 Auto = Literal["auto"]
 Exchange = Literal["auto", "collective", "symmetric_memory"]
@@ -172,27 +173,14 @@ class Resolved:
     choices: tuple[Choice, ...] = field(default=())
     single_rank_fsdp: bool = False
 
-    def moe_config(self, moe: MoEConfig) -> MoEConfig:
-        """``moe`` with its execution fields set to these choices (what the layers are built with)."""
-        from dataclasses import replace
-
-        # The symmetric-memory dispatcher takes its budget from the config; the strategy gives the padded
-        # all-to-all its own (``padded_budget``).
-        max_rows = moe.max_tokens_per_rank
-        if self.symmetric_memory and self.row_budget is not None:
-            max_rows = int(self.row_budget)
-        return replace(
-            moe,
-            token_dedup=self.token_dedup,
-            symmetric_memory_dispatch=self.symmetric_memory,
-            cuda_graphs=self.cuda_graphs,
-            max_tokens_per_rank=max_rows,
-        )
-
     @property
-    def padded_budget(self) -> int | str | None:
-        """The row budget of the padded all-to-all (``lightning_ep.moe.dispatch.padded``), or ``None``."""
-        return None if self.symmetric_memory else self.row_budget
+    def layers(self) -> LayerExecution:
+        """The choices the MoE layers are built with (``transform``, ``make_dispatcher``)."""
+        exchange: LayerExchange = "symmetric_memory" if self.symmetric_memory else "collective"
+        budget: Any = self.row_budget
+        return LayerExecution(
+            cuda_graphs=self.cuda_graphs, exchange=exchange, token_dedup=self.token_dedup, row_budget=budget
+        )
 
     def table(self) -> str:
         """The setup table printed once on rank 0: one line per choice."""
@@ -255,6 +243,12 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
             f"expert-parallel ranks, but degree={env.degree}, capacity_factor={moe.capacity_factor}, "
             f"moe_all_to_all_dispatcher={moe.moe_all_to_all_dispatcher} (degree 1 and a capacity are static "
             "already); use row_budget=None."
+        )
+    if env.activation_checkpointing == "keep_all_to_all" and symmetric:
+        raise ValueError(
+            "ExpertParallelStrategy(activation_checkpointing='keep_all_to_all') keeps the collective all-to-all's "
+            "exchanges, but Execution(exchange='symmetric_memory'); use exchange='auto', or "
+            "activation_checkpointing=True."
         )
     if budget is not None and env.activation_checkpointing:
         raise ValueError(

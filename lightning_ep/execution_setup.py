@@ -1,5 +1,5 @@
-"""``ExpertParallelStrategy``'s side of ``lightning_ep.execution``: what the strategy sees, the
-config its layers are built with, and the names of the optimizers whose kernels the table reports."""
+"""``ExpertParallelStrategy``'s side of ``lightning_ep.execution``: what the strategy sees, and the
+names of the optimizers whose kernels the table reports."""
 
 from __future__ import annotations
 
@@ -14,11 +14,8 @@ from torch import nn
 
 from lightning_ep.execution import Environment, Execution, Resolved, resolve
 from lightning_ep.execution_adamw import KERNEL_ADAMW
-from lightning_ep.moe.config import MoEConfig
-from lightning_ep.transform import moe_layers
 
 if TYPE_CHECKING:
-    from lightning_ep.moe.layer import MoELayer
     from lightning_ep.strategy import ExpertParallelStrategy
 
 
@@ -107,74 +104,9 @@ def expert_lora_ranks(model: nn.Module) -> tuple[int, ...]:
     return tuple(sorted(ranks))
 
 
-def forced_by_moe_config(moe: MoEConfig) -> dict[str, bool | str]:
-    """The execution choices a ``MoEConfig`` sets away from its defaults (its low-level fields, as
-    ``transform`` takes them), as ``Execution`` would name them."""
-    forced: dict[str, bool | str] = {}
-    if moe.token_dedup:
-        forced["token_dedup"] = True
-    if moe.symmetric_memory_dispatch:
-        forced["exchange"] = "symmetric_memory"
-    if moe.cuda_graphs:
-        forced["cuda_graphs"] = True
-    return forced
-
-
-def merge(execution: Execution, moe: MoEConfig) -> Execution:
-    """``execution`` with the choices forced through ``moe``'s execution fields; a contradiction between
-    the two is refused, naming both."""
-    updates: dict[str, object] = {}
-    for name, value in forced_by_moe_config(moe).items():
-        mine = getattr(execution, name)
-        if mine not in ("auto", value):
-            raise ValueError(
-                f"ExpertParallelStrategy: MoEConfig sets {_moe_field(name)}={_moe_value(name, value)!r} but "
-                f"Execution({name}={mine!r}); set it in one place (Execution), not both."
-            )
-        updates[name] = value
-    if moe.max_tokens_per_rank is not None and moe.symmetric_memory_dispatch and execution.row_budget is None:
-        updates["row_budget"] = moe.max_tokens_per_rank
-    return replace(execution, **updates) if updates else execution  # type: ignore[arg-type]
-
-
-def _moe_field(name: str) -> str:
-    return {"exchange": "symmetric_memory_dispatch"}.get(name, name)
-
-
-def _moe_value(name: str, value: object) -> object:
-    return True if name == "exchange" else value
-
-
 def resolve_for(strategy: ExpertParallelStrategy, hf_model: nn.Module) -> Resolved:
-    """The execution choices for ``strategy`` and its model; for a model transformed before the
-    strategy saw it, the MoE layers' choices are those they were built with."""
-    built = [layer.config for layer in moe_layers(hf_model)]
-    moe = built[0] if built else strategy.moe
-    return resolve(merge(strategy.execution, moe), environment(strategy, hf_model), moe)
-
-
-def layers_config(hf_model: nn.Module, resolved: Resolved | None, moe: MoEConfig) -> MoEConfig:
-    """The config the strategy transforms ``hf_model`` with: the one in force if it was transformed
-    already (``transform`` refuses any other), else ``moe`` with the resolved execution fields."""
-    built = [layer.config for layer in moe_layers(hf_model)]
-    if built:
-        return built[0]
-    return resolved.moe_config(moe) if resolved is not None else moe
-
-
-def pad_exchanges(layers: list[MoELayer], resolved: Resolved | None) -> None:
-    """Give ``layers`` the padded all-to-all of ``resolved.padded_budget`` (``Execution.row_budget``
-    with the collective exchange) in place of their all-to-all dispatcher; nothing without one."""
-    from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
-    from lightning_ep.moe.dispatch.padded import PaddedAllToAllDispatcher
-
-    budget = resolved.padded_budget if resolved is not None else None
-    if budget is None:
-        return
-    for layer in layers:
-        if type(layer.dispatcher) is AllToAllDispatcher:
-            bound = layer.dispatcher.max_tokens_per_rank  # MoEConfig's safety bound, kept on the dynamic plan
-            layer.dispatcher = PaddedAllToAllDispatcher(layer.num_experts, layer.dispatcher.group, budget, bound)
+    """The execution choices for ``strategy`` and its model."""
+    return resolve(strategy.execution, environment(strategy, hf_model), strategy.moe)
 
 
 def optimizer_names(optimizers: Iterable[torch.optim.Optimizer]) -> tuple[str, ...]:

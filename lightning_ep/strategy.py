@@ -28,14 +28,7 @@ from typing_extensions import override
 from lightning_ep import checkpoints
 from lightning_ep.config_errors import shown_once
 from lightning_ep.execution import Execution, Resolved, with_optimizers
-from lightning_ep.execution_setup import (
-    fsdp_options,
-    layers_config,
-    optimizer_names,
-    pad_exchanges,
-    resolve_for,
-    with_compile_layers,
-)
+from lightning_ep.execution_setup import fsdp_options, optimizer_names, resolve_for, with_compile_layers
 from lightning_ep.model_selection import num_experts, select
 from lightning_ep.models.causal_mask import separate_packed_documents
 from lightning_ep.models.init import materialize_if_meta
@@ -54,7 +47,7 @@ from lightning_ep.parallel.fsdp import (
 from lightning_ep.parallel.mesh import check_layout, init_mesh
 from lightning_ep.step_checks import StepChecks, mesh_aware
 from lightning_ep.strategy_args import check_arguments, check_can_checkpoint, check_devices, check_precision
-from lightning_ep.transform import check_config_in_force, moe_layers, transform
+from lightning_ep.transform import check_config_in_force, check_execution_in_force, moe_layers, transform
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -311,6 +304,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         with shown_once(self.global_rank):
             fix = "drop the transform() call (the strategy transforms with its moe=) or pass it the same config"
             check_config_in_force(hf_model, self.moe, asked_by="ExpertParallelStrategy(moe=...)", fix=fix)
+            if self.resolved is not None:
+                check_execution_in_force(hf_model, self.resolved.layers)
         if any(isinstance(p, DTensor) for p in hf_model.parameters()):
             return
         mesh = self.device_mesh
@@ -321,7 +316,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         single_rank = self.resolved is not None and self.resolved.single_rank_fsdp
         if self.moe.smp_moe:
             with shown_once(self.global_rank):  # a degree that does not divide the expert count
-                transform(hf_model, layers_config(hf_model, self.resolved, self.moe), mesh=mesh)
+                execution = self.resolved.layers if self.resolved is not None else None
+                transform(hf_model, self.moe, mesh=mesh, execution=execution)
             shard_model(hf_model, mesh, **fsdp_options(self), in_place_on_one_rank=single_rank)
             blocks = decoder_blocks(hf_model)
         else:
@@ -337,14 +333,13 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             layer.loss_scale = scale
             layer.check_finite = self.check_finite
             layer.keep_all_to_all = self.activation_checkpointing == "keep_all_to_all"
-        pad_exchanges(self._layers(), self.resolved)
 
     def _layers(self) -> list[MoELayer]:
         return moe_layers(self._hf_model) if self._hf_model is not None else []
 
     @override
     def teardown(self) -> None:
-        for layer in self._layers():  # CUDA graphs hold the NCCL communicator (MoEConfig.cuda_graphs)
+        for layer in self._layers():  # CUDA graphs hold the NCCL communicator (Execution.cuda_graphs)
             layer.release_graphs()
         for handle in self._bias_hooks:  # a later fit's optimizers get their own
             handle.remove()

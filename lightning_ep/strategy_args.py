@@ -71,18 +71,13 @@ def check_activation_checkpointing(value: Any, moe: MoEConfig) -> None:
         raise ValueError(
             f"ExpertParallelStrategy(activation_checkpointing={value!r}): pass True, False or 'keep_all_to_all'."
         )
-    if value and moe.cuda_graphs:
-        raise ValueError(
-            f"ExpertParallelStrategy(activation_checkpointing={value!r}) recomputes each decoder layer, which "
-            "MoEConfig.cuda_graphs=True cannot replay (a graph keeps one forward's activations); drop one of them."
-        )
-    nccl_a2a = moe.moe_all_to_all_dispatcher and moe.capacity_factor is None and not moe.symmetric_memory_dispatch
+    nccl_a2a = moe.moe_all_to_all_dispatcher and moe.capacity_factor is None
     if value == "keep_all_to_all" and not nccl_a2a:
         raise ValueError(
             "ExpertParallelStrategy(activation_checkpointing='keep_all_to_all') keeps the all-to-all dispatcher's "
             f"exchanges, but MoEConfig has moe_all_to_all_dispatcher={moe.moe_all_to_all_dispatcher}, capacity_factor="
-            f"{moe.capacity_factor}, symmetric_memory_dispatch={moe.symmetric_memory_dispatch}; use the dropless "
-            "all-to-all dispatcher (True, None, False) or activation_checkpointing=True."
+            f"{moe.capacity_factor}; use the dropless all-to-all dispatcher (True, None) or "
+            "activation_checkpointing=True."
         )
 
 

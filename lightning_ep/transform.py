@@ -13,6 +13,7 @@ from lightning_ep.models.peft_lora import check_peft_model, check_router, peel_e
 from lightning_ep.models.registry import family_for, find_moe_blocks, replace_module, supported_model_types
 from lightning_ep.moe.config import MoEConfig, config_differences
 from lightning_ep.moe.layer import MoELayer
+from lightning_ep.moe.layer_execution import LayerExecution
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -23,7 +24,13 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: DeviceMesh | None = None) -> nn.Module:
+def transform(
+    model: nn.Module,
+    config: MoEConfig | None = None,
+    *,
+    mesh: DeviceMesh | None = None,
+    execution: LayerExecution | None = None,
+) -> nn.Module:
     """Replace every supported MoE block of ``model`` with a ``MoELayer``, in place.
 
     The new layers adopt the blocks' own ``Parameter`` objects: parameter names, global shapes and
@@ -39,6 +46,9 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
         config: routing, balancing and dispatch options; ``smp_moe=False`` returns ``model`` untouched.
         mesh: ``None`` for one process. A mesh from ``init_mesh`` shards the experts on its ``"ep"``
             axis and exchanges tokens there (see ``lightning_ep.parallel.expert``).
+        execution: how the layers run their exchange and experts (``LayerExecution``; the defaults:
+            the collective exchange, no CUDA graphs). ``ExpertParallelStrategy`` passes the one its
+            ``Execution`` resolves to. Given again on a transformed model, it replaces the layers'.
     Packed rows (``position_ids`` restarting at 0 per document, no ``attention_mask``, as transformers'
     ``DataCollatorWithFlattening`` makes them) are masked per document whatever ``config.use_cache``
     says (``lightning_ep.models.causal_mask.separate_packed_documents``).
@@ -80,11 +90,40 @@ def transform(model: nn.Module, config: MoEConfig | None = None, *, mesh: Device
     watch_padding(model)
     skip_causal_mask(model)
     separate_packed_documents(model)
+    if execution is not None:
+        _apply_execution(model, config, execution, mesh)
     if mesh is not None:
         from lightning_ep.parallel.expert import parallelize_moe_layers
 
         parallelize_moe_layers(model, mesh)
     return model
+
+
+def _apply_execution(model: nn.Module, config: MoEConfig, execution: LayerExecution, mesh: DeviceMesh | None) -> None:
+    """Give every MoE layer ``execution``; the layers of a model already split over ranks (``mesh``
+    not given again) get their dispatchers rebuilt on the group they exchange in."""
+    from lightning_ep.moe.dispatch.select import make_dispatcher
+
+    for layer in moe_layers(model):
+        group = None if mesh is not None else getattr(layer.dispatcher, "group", None)
+        degree = mesh["ep"].size() if mesh is not None else (group.size() if group is not None else 1)
+        execution.check(config, degree)
+        layer.set_execution(execution)
+        if group is not None:
+            layer.dispatcher = make_dispatcher(config, layer.num_experts, group, execution)
+
+
+def check_execution_in_force(model: nn.Module, execution: LayerExecution) -> None:
+    """Refuse a model whose MoE layers were given other execution choices by hand
+    (``transform(..., execution=...)``) than ``execution``, the strategy's: the strategy's ``Execution``
+    is the one home of those choices."""
+    for layer in moe_layers(model):
+        if layer.execution not in (LayerExecution(), execution):
+            raise ValueError(
+                f"ExpertParallelStrategy: the model's MoE layers were given {layer.execution} by transform(), but the "
+                f"strategy's Execution resolves to {execution}; drop transform()'s execution= and pass the choices "
+                "to ExpertParallelStrategy(execution=Execution(...))."
+            )
 
 
 def check_config_in_force(model: nn.Module, config: MoEConfig, *, asked_by: str, fix: str) -> None:

@@ -7,6 +7,7 @@ bad value fails when the config is built, long before any process group or model
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -19,25 +20,20 @@ DropPolicy = Literal["probs", "position"]
 LOAD_BALANCING_MODES: tuple[str, ...] = get_args(LoadBalancing)
 ROUTER_DTYPES: tuple[str, ...] = get_args(RouterDtype)
 DROP_POLICIES: tuple[str, ...] = get_args(DropPolicy)
-_FLAGS = (
-    "smp_moe",
-    "global_token_shuffle",
-    "moe_all_to_all_dispatcher",
-    "token_dedup",
-    "symmetric_memory_dispatch",
-    "cuda_graphs",
-)
-# The fields that choose how the same math is carried out (which exchange, which kernels, which
-# guard on memory) and not what is computed: they may differ between two configs that must agree,
-# e.g. a checkpoint's and the run that resumes it. Every other field, and any field added later
-# unless it is listed here, changes the math.
-EXECUTION_FIELDS: tuple[str, ...] = (
-    "moe_all_to_all_dispatcher",
-    "max_tokens_per_rank",
-    "token_dedup",
-    "symmetric_memory_dispatch",
-    "cuda_graphs",
-)
+_FLAGS = ("smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher")
+#: Fields that older releases kept here and ``lightning_ep.Execution`` holds now (a checkpoint's
+#: record may still name them).
+MOVED_TO_EXECUTION: tuple[str, ...] = ("token_dedup", "symmetric_memory_dispatch", "cuda_graphs")
+_EXECUTION_SPELLING = {
+    "token_dedup": "token_dedup=True",
+    "symmetric_memory_dispatch": "exchange='symmetric_memory', row_budget=N",
+    "cuda_graphs": "cuda_graphs=True",
+}
+# The fields that choose how the same math is carried out (which exchange, which guard on memory)
+# and not what is computed: they may differ between two configs that must agree, e.g. a
+# checkpoint's and the run that resumes it. Every other field, and any field added later unless it
+# is listed here, changes the math.
+EXECUTION_FIELDS: tuple[str, ...] = ("moe_all_to_all_dispatcher", "max_tokens_per_rank", *MOVED_TO_EXECUTION)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +41,8 @@ class MoEConfig:
     """How the MoE layers route, balance and exchange tokens.
 
     The first seven fields mirror ``smp.nn.moe.MoEConfig`` of SageMaker model parallelism v2, with
-    its defaults; the rest are this library's extensions.
+    its defaults; the rest are this library's extensions. How a step runs (exchange, kernels, CUDA
+    graphs) is not here but in ``lightning_ep.Execution``.
 
     Args:
         smp_moe: replace the model's MoE blocks with this library's ``MoELayer``. ``False`` leaves
@@ -82,51 +79,9 @@ class MoEConfig:
         drop_policy: which rows an over-capacity expert keeps: ``"probs"`` the highest routing
             weights, ``"position"`` the tokens earliest in their sequence (ties: the earlier
             sequence), as Megatron-Core's ``[S, B]`` token order does.
-        max_tokens_per_rank: dropless only: if the rows that arrive at one rank's experts in a layer
-            exceed this, fail fast with a clear error instead of running out of memory. With
-            ``symmetric_memory_dispatch`` it is also the static size of every rank's rows and tokens,
-            and the dispatch needs no host sync at all (see there).
-        token_dedup: dropless all-to-all only: send each token once to every rank that holds one of
-            its experts (and copy it to those experts there) instead of once per expert; the
-            dispatch's gradient comes back summed per rank, in fp32 (``lightning_ep.moe.dispatch.dedup``).
-            Same math, fewer bytes and HBM passes when a token's K experts share ranks (many small
-            experts, small degree), more when they do not (the fp32 gradient is twice the bytes).
-            At Qwen3-30B-like shapes it takes GPU time off a step, which pays at large batches and
-            costs where the step is bound by the host launching kernels (dedup launches more); hence
-            off by default (measured: ``docs/performance.md``, "Token exchange").
-        symmetric_memory_dispatch: dropless all-to-all within one node only: instead of NCCL
-            all-to-all, each GPU reads the rows it needs straight from the other GPUs' memory, in the
-            order its experts take them (CUDA symmetric memory over NVLink;
-            ``lightning_ep.moe.dispatch.symmetric``). Same numbers bit for bit, fewer copies of every row.
-            Needs CUDA, Triton and every rank of an expert-parallel group on one node; holds one
-            buffer per group of about ``1.25 x (T + M) x H`` elements (``M``: the most rows a rank's
-            experts received so far). Off by default; at Qwen3-30B-like shapes it brings a layer closer
-            to its floor and the step a little faster, depending on the host; at Mixtral shapes it
-            changes nothing (``docs/performance.md``, "Token exchange"). With
-            ``max_tokens_per_rank = R`` the plan is static: every rank's received rows are padded
-            to ``R`` (the grouped GEMMs skip the padding), the buffer holds about ``2 R H`` elements,
-            and no layer reads anything back to the host, so the host can run ahead of the GPU.
-            Routing that sends some rank more than ``R`` rows in a layer leaves the excess out
-            of that forward: under ``ExpertParallelStrategy`` (automatic optimization) the forward
-            then runs again on the dynamic plan (``lightning_ep.budget_fallback``); elsewhere a
-            ``RuntimeError`` at a later dispatch, or where the training loop calls the
-            dispatchers' ``raise_if_over_budget()``.
-            ``T <= R`` tokens per rank. The experts then always run ``grouped_mm`` (bf16 / fp16
-            on CUDA; the one-GEMM-per-expert path needs host counts), for no sync at all; fp32
-            experts loop over experts and read the counts. It helps a host-bound step and costs a
-            little at Mixtral shapes, which lose their per-expert GEMMs (``docs/performance.md``).
-        cuda_graphs: replay each MoE layer's dispatch, experts and combine, forward and backward,
-            as CUDA graphs (``lightning_ep.moe.graphs``): one launch instead of about a hundred small
-            kernels per layer, the same bits. Needs a static plan: at degree 1 the local dispatch
-            has one; above it, ``symmetric_memory_dispatch`` with ``max_tokens_per_rank`` (checked
-            when the layers are built). A layer's first two training calls run eagerly, the third
-            captures. Needs bf16 / fp16 experts (the grouped GEMM) whose weights stay in place:
-            outside FSDP2 (expert-parallel degree = world size), and no activation checkpointing.
-            Holds every layer's activations and temporaries in two memory pools (forward, backward).
-            A layer's forward + backward then comes closer to its floor (``benchmarks/RESULTS.md``,
-            "One MoE layer against its floor"); the step gains where the host cannot keep up with
-            the GPU and little where it already does (``docs/performance.md``, "CUDA graphs"). Off by
-            default.
+        max_tokens_per_rank: dropless all-to-all only: if the rows that arrive at one rank's experts
+            in a layer exceed this, fail fast with a clear error instead of running out of memory (a
+            guard; a static plan's row budget is ``Execution(row_budget=...)``).
     """
 
     smp_moe: bool = True
@@ -142,9 +97,16 @@ class MoEConfig:
     capacity_factor: float | None = None
     drop_policy: DropPolicy = "probs"
     max_tokens_per_rank: int | None = None
-    token_dedup: bool = False
-    symmetric_memory_dispatch: bool = False
-    cuda_graphs: bool = False
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> MoEConfig:
+        for name in MOVED_TO_EXECUTION:
+            if name in kwargs:
+                raise TypeError(
+                    f"MoEConfig({name}=...) moved to lightning_ep.Execution, which holds every choice of how a step "
+                    f"runs: pass ExpertParallelStrategy(execution=Execution({_EXECUTION_SPELLING[name]})) "
+                    "(or transform(..., execution=LayerExecution(...)))."
+                )
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -176,27 +138,6 @@ class MoEConfig:
                     "with a capacity_factor the load is bounded already, and the all-gather dispatcher does not "
                     "check it: drop one of them."
                 )
-        if self.token_dedup and (self.capacity_factor is not None or not self.moe_all_to_all_dispatcher):
-            raise ValueError(
-                "MoEConfig.token_dedup=True deduplicates the dropless all-to-all dispatch, but moe_all_to_all_"
-                f"dispatcher={self.moe_all_to_all_dispatcher}, capacity_factor={self.capacity_factor}; "
-                "set moe_all_to_all_dispatcher=True and capacity_factor=None, or token_dedup=False."
-            )
-        if self.symmetric_memory_dispatch and (
-            self.capacity_factor is not None or not self.moe_all_to_all_dispatcher or self.token_dedup
-        ):
-            raise ValueError(
-                "MoEConfig.symmetric_memory_dispatch=True replaces the dropless all-to-all, but moe_all_to_all_"
-                f"dispatcher={self.moe_all_to_all_dispatcher}, capacity_factor={self.capacity_factor}, token_dedup="
-                f"{self.token_dedup}; set moe_all_to_all_dispatcher=True, capacity_factor=None and token_dedup=False, "
-                "or symmetric_memory_dispatch=False."
-            )
-        if self.cuda_graphs and self.capacity_factor is not None:
-            raise ValueError(
-                "MoEConfig.cuda_graphs=True captures a dropless dispatch (the local one at degree 1, the "
-                f"symmetric-memory one above), but capacity_factor={self.capacity_factor}; set capacity_factor=None, "
-                "or cuda_graphs=False."
-            )
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "balance_update_rate"):
             _check_float(name, getattr(self, name))
 
@@ -215,6 +156,11 @@ class MoEConfig:
     def z_loss_active(self) -> bool:
         """Whether the router z-loss reaches the gradients."""
         return self.moe_z_loss_coeff > 0
+
+
+# ``__new__`` only refuses the moved fields; the fields a config takes are the dataclass's (for
+# ``inspect.signature``, which LightningCLI reads).
+MoEConfig.__new__.__signature__ = inspect.signature(MoEConfig.__init__)  # type: ignore[attr-defined]
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -1,4 +1,4 @@
-"""One MoE layer's dispatch, experts and combine replayed as CUDA graphs (``MoEConfig.cuda_graphs``).
+"""One MoE layer's dispatch, experts and combine replayed as CUDA graphs (``Execution(cuda_graphs=True)``).
 
 With the symmetric-memory dispatch and a row budget (``max_tokens_per_rank``), and at degree 1 with
 the local dispatch, nothing in a layer between its routing and its output depends on the host: every
@@ -82,9 +82,9 @@ class LayerGraphs:
     def __init__(self, dispatcher: Any, experts: RoutedExperts) -> None:
         if not hasattr(dispatcher, "dispatch_static") or (hasattr(dispatcher, "budget") and dispatcher.budget is None):
             raise ValueError(
-                f"MoEConfig.cuda_graphs=True needs a dispatch with a static plan, got {type(dispatcher).__name__}"
+                f"Execution(cuda_graphs=True) needs a dispatch with a static plan, got {type(dispatcher).__name__}"
                 f"{' without a row budget' if hasattr(dispatcher, 'budget') else ''}: the local dispatch (degree 1), "
-                "or symmetric_memory_dispatch=True with max_tokens_per_rank set."
+                "or exchange='symmetric_memory' with an int row_budget."
             )
         self.dispatcher, self.experts = dispatcher, experts
         self.calls = 0
@@ -240,7 +240,7 @@ class LayerGraphs:
     def _check_weights(self, weights: tuple[torch.Tensor, ...]) -> None:
         if [w.data_ptr() for w in weights] != self._pointers:
             raise RuntimeError(
-                "MoEConfig.cuda_graphs=True: the experts' weights moved in memory since their CUDA graphs were "
+                "Execution(cuda_graphs=True): the experts' weights moved in memory since their CUDA graphs were "
                 "captured (assigned anew, or gathered by FSDP2 each step), so the graphs would read stale "
                 "memory. Keep the experts outside FSDP2 (expert-parallel degree = world size) and update their "
                 "weights in place, or set cuda_graphs=False."
@@ -310,14 +310,14 @@ class LayerGraphs:
         gemm_local = [on_meta(w) for w in (getattr(self.experts, n, None) for n in names) if w is not None]
         if self.experts.use_grouped_mm is False or not grouped_mm_supported(x_TH, *gemm_local):
             raise ValueError(
-                "MoEConfig.cuda_graphs=True needs the experts' grouped GEMM (bf16 or fp16 rows and weights on CUDA, "
+                "Execution(cuda_graphs=True) needs the experts' grouped GEMM (bf16 or fp16 rows and weights on CUDA, "
                 f"use_grouped_mm not False), but the rows are {x_TH.dtype} and the weights "
                 f"{[w.dtype for w in gemm_local]}: the per-expert loop reads the counts on the host, which a graph "
                 "cannot. Train in bf16 (precision='bf16-true' or 'bf16-mixed') or set cuda_graphs=False."
             )
         if not self.experts.grouped_mm_runs(x_TH, [on_meta(w) for w in self._weights()]):
             raise ValueError(
-                "MoEConfig.cuda_graphs=True needs the grouped GEMM for every weight of the experts, LoRA factors "
+                "Execution(cuda_graphs=True) needs the grouped GEMM for every weight of the experts, LoRA factors "
                 f"included, whose rows must be 16-byte aligned, but their shapes are "
                 f"{[tuple(w.shape) for w in self._weights()]}: the per-expert loop reads the counts on the host, which "
                 "a graph cannot. Use a LoRA rank that is a multiple of 8, or set cuda_graphs=False."
@@ -393,7 +393,7 @@ class _Replay(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         if ctx.token.done:
             raise RuntimeError(
-                "MoEConfig.cuda_graphs=True: a second backward through the same forward (retain_graph=True) cannot "
+                "Execution(cuda_graphs=True): a second backward through the same forward (retain_graph=True) cannot "
                 "replay the backward graph, whose buffers the first backward reused; set cuda_graphs=False."
             )
         ctx.token.done = True

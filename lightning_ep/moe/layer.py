@@ -17,6 +17,7 @@ from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.dispatch.base import Dispatcher, LocalDispatcher, count_ids, dispatch
 from lightning_ep.moe.dispatch.select import make_dispatcher
 from lightning_ep.moe.experts.grouped import RoutedExperts
+from lightning_ep.moe.layer_execution import LayerExecution
 from lightning_ep.moe.routing.losses import attach_losses
 from lightning_ep.moe.routing.rng import DrawCounter, ForwardRecords, in_backward, jitter_factors, layer_generator
 from lightning_ep.moe.routing.route import RouterLogits, RouterStats, all_finite, route
@@ -102,7 +103,6 @@ class MoELayer(nn.Module):
         self.child_names = {**_ROLES, **(child_names or {})}
         self.add_module(self.child_names["gate"], gate)
         self.experts = experts
-        experts.host_counts_in_backward = not config.cuda_graphs  # graph replays cannot read the host
         for role, module in (("shared_experts", shared_experts), ("shared_experts_gate", shared_experts_gate)):
             if module is not None:
                 self.add_module(self.child_names[role], module)
@@ -114,6 +114,8 @@ class MoELayer(nn.Module):
         self.keep_all_to_all = False
         self._kept: ForwardRecords[KeptExchange | None] = ForwardRecords(_MAX_KEPT)
         self.dispatcher: Dispatcher = make_dispatcher(config, gate.num_experts)
+        self.execution = LayerExecution()
+        self.set_execution(self.execution)
         # A TokenShuffle when global_token_shuffle is on under expert parallelism.
         self.shuffle: TokenShuffle | None = None
         self.ep_rank = 0
@@ -152,8 +154,14 @@ class MoELayer(nn.Module):
         if compile_plan is not None:  # the symmetric-memory dispatcher's index arithmetic
             compile_plan(**compile_kwargs)
 
+    def set_execution(self, execution: LayerExecution) -> None:
+        """Run with ``execution``'s choices (``transform``; the dispatcher takes them when the mesh
+        is applied, ``lightning_ep.parallel.expert``)."""
+        self.execution = execution
+        self.experts.host_counts_in_backward = not execution.cuda_graphs  # graph replays cannot read the host
+
     def release_graphs(self) -> None:
-        """Drop this layer's CUDA graphs (``config.cuda_graphs``), e.g. before destroying the process
+        """Drop this layer's CUDA graphs (``execution.cuda_graphs``), e.g. before destroying the process
         group their NCCL exchange runs on; the next training calls warm up and capture anew."""
         if self._layer_graphs is not None:
             self._layer_graphs.release()
@@ -190,7 +198,7 @@ class MoELayer(nn.Module):
     def _traceable(self) -> bool:
         """Whether ``torch.compile`` may trace ``forward``: one process, no CUDA graphs."""
         one_process = isinstance(self.dispatcher, LocalDispatcher) or getattr(self.dispatcher, "group", 0) is None
-        return one_process and self.shuffle is None and not self.config.cuda_graphs
+        return one_process and self.shuffle is None and not self.execution.cuda_graphs
 
     def _forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
         shape = hidden_BSH.shape
@@ -339,9 +347,9 @@ class MoELayer(nn.Module):
         return out_TH, shared_TH, tokens_per_expert_E, dispatched.state.get("kept_per_expert_E", tokens_per_expert_E)
 
     def _graphs(self) -> LayerGraphs | None:
-        """With ``config.cuda_graphs``, the CUDA graphs of this layer's dispatcher (made on first use;
+        """With ``execution.cuda_graphs``, the CUDA graphs of this layer's dispatcher (made on first use;
         ``None`` for a dispatcher without a static plan: one process)."""
-        if not self.config.cuda_graphs or not hasattr(self.dispatcher, "dispatch_static"):
+        if not self.execution.cuda_graphs or not hasattr(self.dispatcher, "dispatch_static"):
             return None
         if getattr(self.dispatcher, "dynamic", False):  # the budget fallback's run of a step over budget
             return None

@@ -78,7 +78,7 @@ def parallelize_moe_layers(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         # All d ranks' tokens reach these experts; FSDP2 averages over the other W / d ranks only.
         layer.experts.grad_scale = 1.0 / degree
         config = layer.config
-        layer.dispatcher = make_dispatcher(config, num_experts, group)
+        layer.dispatcher = make_dispatcher(config, num_experts, group, layer.execution)
         layer.shuffle = TokenShuffle(group) if config.global_token_shuffle and degree > 1 else None
         layer.ep_rank = ep_rank
     return model

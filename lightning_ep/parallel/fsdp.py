@@ -81,9 +81,9 @@ def shard_model(
                 "lightning_ep.transform(model, config, mesh=mesh) before shard_model."
             )
         if shard_experts:
-            if layer.config.cuda_graphs:
+            if layer.execution.cuda_graphs:
                 raise ValueError(
-                    "MoEConfig.cuda_graphs=True needs the experts' weights to stay in place, but they have "
+                    "Execution(cuda_graphs=True) needs the experts' weights to stay in place, but they have "
                     f"{experts_mesh.size()} expert-data-parallel ranks, so FSDP2 would gather them anew every step; "
                     "use an expert-parallel degree equal to the world size (and replicate_degree=1), or "
                     "cuda_graphs=False."

@@ -8,7 +8,6 @@ that Hugging Face initialises to zero filled with random values, so that each of
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import lightning_ep
-from lightning_ep import MoEConfig
+from lightning_ep import LayerExecution, MoEConfig
 
 VOCAB = 128
 RTOL = 1e-5
@@ -156,16 +155,17 @@ CONFIG = MoEConfig(moe_load_balancing="none", moe_z_loss_coeff=0.0, moe_aux_loss
 
 
 def check_family_grads(
-    rank: int, world: int, model_type: str, device: str = "cpu", config: MoEConfig = CONFIG
+    rank: int, world: int, model_type: str, device: str = "cpu", execution: LayerExecution | None = None
 ) -> tuple[nn.Module, Any]:
     """At degree 2: loss and every full gradient equal the data-parallel reference (the untouched
     one-process model fed each rank's micro-batch, averaged). Returns the reference and the mesh."""
-    tag = f"{model_type} rank {rank} {device} token_dedup={config.token_dedup}"
+    execution = execution if execution is not None else LayerExecution()
+    tag = f"{model_type} rank {rank} {device} token_dedup={execution.token_dedup}"
     reference = tiny_family(model_type).to(device)
     model = copy.deepcopy(reference)
     mesh = lightning_ep.init_mesh(2, device_type=torch.device(device).type)
-    lightning_ep.transform(model, config, mesh=mesh)
-    assert all(layer.dispatcher.dedup is config.token_dedup for layer in lightning_ep.moe_layers(model)), tag
+    lightning_ep.transform(model, CONFIG, mesh=mesh, execution=execution)
+    assert all(layer.dispatcher.dedup is execution.token_dedup for layer in lightning_ep.moe_layers(model)), tag
     lightning_ep.shard_model(model, mesh)
 
     # The reference accumulates every rank's micro-batch, divided by the world size.
@@ -239,10 +239,10 @@ def run_families(rank: int, world: int, model_types: list[str], out: str) -> Non
 
 
 def run_families_dedup(rank: int, world: int, model_types: list[str]) -> None:
-    """``check_family_grads`` with ``token_dedup=True``: shared experts run while the deduplicated
-    rows travel, and the families' routers (grouped, biased, softmax after top-k) feed it."""
+    """``check_family_grads`` with ``LayerExecution(token_dedup=True)``: shared experts run while the
+    deduplicated rows travel, and the families' routers (grouped, biased, softmax after top-k) feed it."""
     for model_type in model_types:
-        check_family_grads(rank, world, model_type, config=replace(CONFIG, token_dedup=True))
+        check_family_grads(rank, world, model_type, execution=LayerExecution(token_dedup=True))
 
 
 def run_families_cuda(rank: int, world: int, model_types: list[str]) -> None:

@@ -1,5 +1,6 @@
-"""Workers for ``MoEConfig.cuda_graphs`` (2 GPUs, NCCL; ``tests/gpu/test_cuda_graphs.py``; on the
-CPU only the refusal of FSDP2-sharded experts, ``tests/distributed/test_symm_dispatch.py``).
+"""Workers for ``LayerExecution(cuda_graphs=True)`` (``Execution(cuda_graphs=True)`` under the strategy;
+1 or 2 GPUs, NCCL: ``tests/gpu/test_cuda_graphs.py``; on the CPU only the refusal of FSDP2-sharded
+experts, ``tests/distributed/test_symm_dispatch.py``).
 
 The graphs replay the eager kernels on the same values, so every comparison here is bit for bit.
 """
@@ -14,15 +15,19 @@ from torch import nn
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
 from lightning_ep.moe.experts.grouped import local_tensor
 from lightning_ep.moe.graphs import WARMUP
+from lightning_ep.moe.layer_execution import LayerExecution
 
 
-def _config(budget: int, graphs: bool, balancing: str = "none") -> MoEConfig:
-    return MoEConfig(
-        moe_load_balancing=balancing,  # type: ignore[arg-type]
-        symmetric_memory_dispatch=True,
-        max_tokens_per_rank=budget,
-        cuda_graphs=graphs,
-    )
+def _config(balancing: str = "none") -> MoEConfig:
+    return MoEConfig(moe_load_balancing=balancing)  # type: ignore[arg-type]
+
+
+def _execution(budget: int, graphs: bool, degree: int) -> LayerExecution:
+    """The static plan the graphs capture: at degree 1 the local dispatch (static already), above it
+    the symmetric-memory exchange with a row budget of ``budget``; the eager model runs the same plan."""
+    if degree == 1:
+        return LayerExecution(cuda_graphs=graphs)
+    return LayerExecution(exchange="symmetric_memory", row_budget=budget, cuda_graphs=graphs)
 
 
 def _local_grads(model: nn.Module) -> list[torch.Tensor]:
@@ -52,7 +57,7 @@ def run_model_matches_eager(rank: int, world: int) -> None:
     models, optimizers = [], []
     for graphs in (False, True):
         model = tiny_mixtral(num_hidden_layers=3).to(device=device, dtype=torch.bfloat16)
-        lightning_ep.transform(model, _config(budget, graphs, "aux_loss"), mesh=mesh)
+        lightning_ep.transform(model, _config("aux_loss"), mesh=mesh, execution=_execution(budget, graphs, world))
         lightning_ep.shard_model(model, mesh)
         models.append(model)
         optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
@@ -123,14 +128,22 @@ def _assert_grads_in_graph_buffers(layers: list[MoELayer]) -> None:
 
 
 def _layer(
-    budget: int, graphs: bool, device: torch.device, dtype: torch.dtype = torch.bfloat16, balancing: str = "none"
+    budget: int,
+    graphs: bool,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    balancing: str = "none",
+    *,
+    degree: int,
 ) -> MoELayer:
+    """One layer whose dispatcher ``parallelize_moe_layers`` builds at ``degree`` with ``_execution``."""
     g = torch.Generator().manual_seed(0)
     H, I, E, K = 128, 64, 8, 2  # noqa: E741
     gate = TopKRouter(nn.Parameter(torch.randn(E, H, generator=g) * H**-0.5), top_k=K, mode=balancing)  # type: ignore[arg-type]
     w1 = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) * 0.1)
     w2 = nn.Parameter(torch.randn(E, H, I, generator=g) * 0.1)
-    layer = MoELayer(gate, GroupedExperts(w1, w2, F.silu), _config(budget, graphs, balancing))
+    layer = MoELayer(gate, GroupedExperts(w1, w2, F.silu), _config(balancing))
+    layer.set_execution(_execution(budget, graphs, degree))  # as transform(..., execution=...) does
     return layer.to(device=device, dtype=dtype).train()
 
 
@@ -153,7 +166,7 @@ def _layer_replays_without_syncs(rank: int, world: int, balancing: str, check_fi
     T = 256
     layers = []
     for graphs in (False, True):
-        layer = _layer(2 * world * T, graphs, device, balancing=balancing)
+        layer = _layer(2 * world * T, graphs, device, balancing=balancing, degree=world)
         parallelize_moe_layers(nn.ModuleDict({"moe": layer}), mesh)
         layer.check_finite = check_finite
         layers.append(layer)
@@ -198,7 +211,7 @@ def run_capture_again_after_release(rank: int, world: int) -> None:
     mesh = lightning_ep.init_mesh(world, device_type="cuda")
     T = 64
     g = torch.Generator(device=device).manual_seed(rank)
-    first = _layer(2 * world * T, True, device)
+    first = _layer(2 * world * T, True, device, degree=world)
     parallelize_moe_layers(nn.ModuleDict({"moe": first}), mesh)
     x = torch.randn(T, 128, generator=g, device=device).to(torch.bfloat16).requires_grad_(True)
     for _ in range(WARMUP + 2):
@@ -208,7 +221,7 @@ def run_capture_again_after_release(rank: int, world: int) -> None:
     first.release_graphs()
     layers = []
     for graphs in (False, True):
-        layer = _layer(2 * world * T, graphs, device)
+        layer = _layer(2 * world * T, graphs, device, degree=world)
         parallelize_moe_layers(nn.ModuleDict({"moe": layer}), mesh)
         layers.append(layer)
     for i in range(WARMUP + 2):
@@ -234,7 +247,7 @@ def run_fp32_experts_refuse_graphs(rank: int, world: int) -> None:
     device = torch.device("cuda", rank)
     mesh = lightning_ep.init_mesh(world, device_type="cuda")
     T = 64
-    layer = _layer(2 * world * T, True, device, torch.float32)
+    layer = _layer(2 * world * T, True, device, torch.float32, degree=world)
     parallelize_moe_layers(nn.ModuleDict({"moe": layer}), mesh)
     x = torch.randn(T, 128, device=device, requires_grad=True)
     for _ in range(WARMUP):
@@ -260,11 +273,11 @@ def run_sharded_experts_refuse_graphs(rank: int, world: int) -> None:
 
     mesh = lightning_ep.init_mesh(1, device_type="cpu")  # two expert-data-parallel ranks
     model = tiny_mixtral()
-    lightning_ep.transform(model, _config(128, True), mesh=mesh)
+    lightning_ep.transform(model, _config(), mesh=mesh, execution=_execution(128, True, degree=1))
     try:
         lightning_ep.shard_model(model, mesh)
     except ValueError as error:
-        assert "MoEConfig.cuda_graphs=True needs the experts' weights to stay in place" in str(error), error
+        assert "Execution(cuda_graphs=True) needs the experts' weights to stay in place" in str(error), error
         assert "2 expert-data-parallel ranks" in str(error) and "cuda_graphs=False" in str(error), error
     else:
         raise AssertionError("shard_model let FSDP2 gather experts that CUDA graphs read in place")

@@ -73,3 +73,26 @@ def run_padded_matches_dynamic(rank: int, world: int) -> None:
     with torch.no_grad():
         tight(x)
     assert tight.dispatcher.budget.take_excess() is None
+
+
+def run_execution_given_again_rebuilds_the_dispatchers(rank: int, world: int) -> None:
+    """``transform(model, config, execution=...)`` on a model already split over ranks (no ``mesh``
+    again) checks the choices at the model's degree and rebuilds each layer's dispatcher on its
+    group: a row budget then pads the exchange, with the dynamic plan's numbers."""
+    import lightning_ep
+    from lightning_ep import LayerExecution
+
+    config = MoEConfig(moe_load_balancing="sinkhorn")
+    dynamic = _layer(world)
+    x = torch.randn(12 + 5 * rank, H, generator=torch.Generator().manual_seed(rank))
+    want_out, want_grads = _run(dynamic, x)
+    model = torch.nn.Sequential(_layer(world))
+    lightning_ep.transform(model, config, execution=LayerExecution(row_budget=8 * world * 4))
+    layer = model[0]
+    assert type(layer.dispatcher) is PaddedAllToAllDispatcher, type(layer.dispatcher)
+    assert layer.dispatcher.group is dynamic.dispatcher.group or dist.get_world_size(layer.dispatcher.group) == world
+    out, grads = _run(layer, x)
+    assert torch.equal(out, want_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads, strict=True))
+    lightning_ep.transform(model, config, execution=LayerExecution())
+    assert type(layer.dispatcher) is AllToAllDispatcher

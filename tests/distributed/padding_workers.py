@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from workers import full, rel_err, tiny_mixtral
 
 import lightning_ep
-from lightning_ep import MoEConfig
+from lightning_ep import LayerExecution, MoEConfig
 from lightning_ep.parallel.balance import update_expert_biases
 
 LENGTHS = (16, 13, 10, 7)
@@ -32,7 +32,7 @@ class RaggedCase:
     shuffle: bool = False
     capacity: float | None = None
     policy: str = "probs"
-    dedup: bool = False
+    dedup: bool = False  # LayerExecution.token_dedup
     padded: bool = False
     steps: int = 2
 
@@ -43,10 +43,13 @@ class RaggedCase:
             global_token_shuffle=self.shuffle,
             capacity_factor=self.capacity,
             drop_policy=self.policy,  # type: ignore[arg-type]
-            token_dedup=self.dedup,
             moe_aux_loss_coeff=0.01,
             moe_z_loss_coeff=0.001,
         )
+
+    def execution(self) -> LayerExecution:
+        """How the expert-parallel model's layers run (the reference runs on one process, locally)."""
+        return LayerExecution(token_dedup=self.dedup)
 
 
 def micro_batch(step: int, rank: int, padded: bool, pad_seed: int | None = None) -> dict[str, torch.Tensor]:
@@ -82,7 +85,7 @@ def _run_ragged(rank: int, world: int, case: RaggedCase) -> None:
     ref = lightning_ep.transform(copy.deepcopy(base), replace(config, global_token_shuffle=False))
     model = copy.deepcopy(base)
     mesh = lightning_ep.init_mesh(case.degree, device_type="cpu")
-    lightning_ep.transform(model, config, mesh=mesh)
+    lightning_ep.transform(model, config, mesh=mesh, execution=case.execution())
     lightning_ep.shard_model(model, mesh)
     for layer in lightning_ep.moe_layers(ref):
         layer.loss_scale = 1.0 / world  # the reference accumulates `world` micro-batches
@@ -133,7 +136,7 @@ def run_pad_content(rank: int, world: int, cases: list[RaggedCase]) -> None:
         for pad_seed in (None, 7):
             model = tiny_mixtral()
             mesh = lightning_ep.init_mesh(case.degree, device_type="cpu")
-            lightning_ep.transform(model, case.config(), mesh=mesh)
+            lightning_ep.transform(model, case.config(), mesh=mesh, execution=case.execution())
             lightning_ep.shard_model(model, mesh)
             out = model(**micro_batch(0, rank, padded=True, pad_seed=pad_seed))
             out.loss.backward()

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from workers import full, micro_batch, rel_err, tiny_mixtral
 
 import lightning_ep
-from lightning_ep import MoEConfig
+from lightning_ep import LayerExecution, MoEConfig
 from lightning_ep.moe.routing.rng import in_backward
 
 
@@ -49,13 +49,13 @@ def run_keep_all_to_all(
         from families_workers import tiny_family
 
         base = tiny_family(model_type).to(device)
-    config = MoEConfig(moe_load_balancing="aux_loss", global_token_shuffle=shuffle, token_dedup=dedup)
+    config = MoEConfig(moe_load_balancing="aux_loss", global_token_shuffle=shuffle)
     results = []
     for keep in (False, True):
         model = copy.deepcopy(base)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mesh = lightning_ep.init_mesh(2, device_type=torch.device(device).type)
-        lightning_ep.transform(model, config, mesh=mesh)
+        lightning_ep.transform(model, config, mesh=mesh, execution=LayerExecution(token_dedup=dedup))
         lightning_ep.shard_model(model, mesh)
         model.train()
         layers = lightning_ep.moe_layers(model)

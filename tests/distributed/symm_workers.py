@@ -13,6 +13,9 @@ from conftest import count_syncs  # tests/ is on sys.path under pytest, also in 
 from lightning_ep.moe import MoEConfig
 from lightning_ep.moe.dispatch.base import block_of_rows
 from lightning_ep.moe.dispatch.select import make_dispatcher
+from lightning_ep.moe.layer_execution import LayerExecution
+
+SYMMETRIC = LayerExecution(exchange="symmetric_memory")
 
 NUM_EXPERTS = 16
 #: (name, dtype, tokens on rank 0 / rank 1, hidden, top_k, skew): an uneven split, a hidden size that is
@@ -27,14 +30,16 @@ CASES = [
 
 def run_gloo_rejects(rank: int, world: int) -> None:
     """A gloo group gets a clear error when the dispatcher is built, before any token moves."""
-    config = MoEConfig(symmetric_memory_dispatch=True)
     try:
-        make_dispatcher(config, NUM_EXPERTS, dist.group.WORLD)
+        make_dispatcher(MoEConfig(), NUM_EXPERTS, dist.group.WORLD, SYMMETRIC)
     except ValueError as error:
-        assert "needs CUDA GPUs in an NCCL process group, got the 'gloo' backend" in str(error), error
-        assert "symmetric_memory_dispatch=False" in str(error), error
+        assert (
+            "Execution(exchange='symmetric_memory') needs CUDA GPUs in an NCCL process group, got the 'gloo' "
+            in str(error)
+        ), error
+        assert "use exchange='collective'" in str(error), error
     else:
-        raise AssertionError("make_dispatcher accepted symmetric_memory_dispatch on gloo")
+        raise AssertionError("make_dispatcher accepted exchange='symmetric_memory' on gloo")
 
 
 def _ids(tokens: int, top_k: int, rank: int, skew: bool) -> torch.Tensor:
@@ -109,7 +114,7 @@ def run_symm_matches_all_to_all(rank: int, world: int) -> None:
 
     group = dist.group.WORLD
     a2a = AllToAllDispatcher(NUM_EXPERTS, group)
-    symm = make_dispatcher(MoEConfig(symmetric_memory_dispatch=True), NUM_EXPERTS, group)
+    symm = make_dispatcher(MoEConfig(), NUM_EXPERTS, group, SYMMETRIC)
     assert isinstance(symm, SymmetricMemoryDispatcher)
     cases = [*CASES, ("grows", torch.bfloat16, (1024, 1500), 1024, 4, False)]
     workspace = None
@@ -151,17 +156,19 @@ def run_symm_matches_all_to_all(rank: int, world: int) -> None:
 
 
 def run_static_plan_matches_all_to_all(rank: int, world: int) -> None:
-    """With ``max_tokens_per_rank`` the symmetric-memory plan is static: the received rows (the
-    first ``M`` of the ``R`` padded ones), outputs and every gradient equal the all-to-all
-    dispatcher's bit for bit, with no host sync at all; a layer over budget raises (before the next
-    dispatch and at ``raise_if_over_budget``), and tokens over budget are refused up front."""
+    """With a row budget (``LayerExecution(row_budget=...)``) the symmetric-memory plan is static:
+    the received rows (the first ``M`` of the ``R`` padded ones), outputs and every gradient equal the
+    all-to-all dispatcher's bit for bit, with no host sync at all; a layer over budget raises (before
+    the next dispatch and at ``raise_if_over_budget``), and tokens over budget are refused up front."""
     from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
     from lightning_ep.moe.dispatch.symmetric import SymmetricMemoryDispatcher
 
     group = dist.group.WORLD
     a2a = AllToAllDispatcher(NUM_EXPERTS, group)
     budget = 4096
-    static = make_dispatcher(MoEConfig(symmetric_memory_dispatch=True, max_tokens_per_rank=budget), NUM_EXPERTS, group)
+    static = make_dispatcher(
+        MoEConfig(), NUM_EXPERTS, group, LayerExecution(exchange="symmetric_memory", row_budget=budget)
+    )
     assert isinstance(static, SymmetricMemoryDispatcher) and static.budget is not None
     scale_E = torch.linspace(0.5, 2.0, NUM_EXPERTS, device="cuda")
     cases = [*CASES, ("large", torch.bfloat16, (1024, 1500), 1024, 2, False)]  # top-2: within the budget
@@ -199,13 +206,16 @@ def run_static_plan_matches_all_to_all(rank: int, world: int) -> None:
         assert torch.equal(a, b), ("chain", i, rank, (a.float() - b.float()).abs().max())
 
     # Over budget: skewed routing sends rank 0 all 2 x 300 x 2 = 1200 rows, over a budget of 1000.
-    tight = make_dispatcher(MoEConfig(symmetric_memory_dispatch=True, max_tokens_per_rank=1000), NUM_EXPERTS, group)
+    tight = make_dispatcher(
+        MoEConfig(), NUM_EXPERTS, group, LayerExecution(exchange="symmetric_memory", row_budget=1000)
+    )
     T, hidden = 300, 128
     x_TH = torch.randn(T, hidden, generator=g, device="cuda").to(torch.bfloat16)
     ids_TK, weights_TK = _ids(T, 2, rank, True), torch.rand(T, 2, generator=g, device="cuda")
     upstream_TH = torch.randn(T, hidden, generator=g, device="cuda")
     over = (
-        "sent 1200 rows to the experts of expert-parallel rank 0 in one layer, over MoEConfig.max_tokens_per_rank=1000"
+        "sent 1200 rows to the experts of expert-parallel rank 0 in one layer, over the row budget "
+        "Execution(row_budget=1000)"
     )
     out = _run(tight, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)[1]
     assert torch.isfinite(out).all()  # the excess is left out, nothing is read out of bounds
@@ -227,16 +237,18 @@ def run_static_plan_matches_all_to_all(rank: int, world: int) -> None:
     try:
         tight.dispatch(torch.zeros(1001, hidden, device="cuda"), torch.zeros(1001, 2, dtype=torch.long, device="cuda"))
     except ValueError as error:
-        assert "MoEConfig.max_tokens_per_rank=1000 is below this rank's 1001 tokens" in str(error), error
+        assert "Execution(row_budget=1000) is below this rank's 1001 tokens; with exchange='symmetric_memory'" in str(
+            error
+        ), error
     else:
         raise AssertionError("1001 tokens passed a budget of 1000")
 
 
 def run_step_checks_stop_an_over_budget_step(rank: int, world: int) -> None:
-    """Under ``ExpertParallelStrategy`` the budget is checked before the optimizer step
-    (``StepChecks.watch_budgets``), not at the dispatches: a model whose routing sends one rank more
-    rows than ``max_tokens_per_rank`` raises there, on every rank (its second layer's dispatch does
-    not), with no optimizer step taken; within budget nothing is raised."""
+    """Watched by ``StepChecks.watch_budgets`` without a model (no budget fallback to run a forward
+    again), the budget is checked before the optimizer step, not at the dispatches: a model whose
+    routing sends one rank more rows than the row budget raises there, on every rank (its second
+    layer's dispatch does not), with no optimizer step taken; within budget nothing is raised."""
     from lightning.pytorch import LightningModule
     from workers import BATCH, SEQ, _skew_router, micro_batch, tiny_mixtral
 
@@ -248,14 +260,14 @@ def run_step_checks_stop_an_over_budget_step(rank: int, world: int) -> None:
     tokens = BATCH * SEQ
     for budget, skew in ((4 * tokens, False), (3 * tokens, True)):  # skewed: rank 0 receives 2 x 2 x tokens rows
         model = tiny_mixtral().to(device=device, dtype=torch.bfloat16)
-        config = MoEConfig(moe_load_balancing="none", symmetric_memory_dispatch=True, max_tokens_per_rank=budget)
-        lightning_ep.transform(model, config, mesh=mesh)
+        execution = LayerExecution(exchange="symmetric_memory", row_budget=budget)
+        lightning_ep.transform(model, MoEConfig(moe_load_balancing="none"), mesh=mesh, execution=execution)
         lightning_ep.shard_model(model, mesh)
         if skew:
             _skew_router(model)
         layers = lightning_ep.moe_layers(model)
         checks = StepChecks(check_finite=False, log_losses=False)
-        checks.watch_budgets(layers)  # as ExpertParallelStrategy.setup does
+        checks.watch_budgets(layers)  # no model: nothing reruns (the strategy passes its model)
         assert all(layer.dispatcher.budget.raise_at_dispatch is False for layer in layers)
         ids = micro_batch(0, rank).to(device)
         model(input_ids=ids, labels=ids).loss.backward()
@@ -265,7 +277,7 @@ def run_step_checks_stop_an_over_budget_step(rank: int, world: int) -> None:
         except RuntimeError as error:
             assert skew, error
             assert f"sent {4 * tokens} rows to the experts of expert-parallel rank 0" in str(error), error
-            assert f"max_tokens_per_rank={budget}" in str(error), error
+            assert f"over the row budget Execution(row_budget={budget})" in str(error), error
         else:
             assert not skew, "an over-budget step reached the optimizer step"
 

@@ -1,4 +1,4 @@
-"""``MoEConfig.symmetric_memory_dispatch`` on 2 gloo processes: refused before any token moves.
+"""``Execution(exchange="symmetric_memory")`` on 2 gloo processes: refused before any token moves.
 
 The dispatch itself needs CUDA GPUs of one node: ``tests/gpu/test_symm_dispatch_cuda.py``; its index
 plan is checked on the CPU in ``tests/unit/test_dispatch_symm.py``.

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import lightning_ep
-from lightning_ep import MoEConfig
+from lightning_ep import LayerExecution, MoEConfig
 
 VOCAB = 128
 SEQ = 16
@@ -71,11 +71,11 @@ class Case:
     rtol: float = RTOL
     capacity: float | None = None
     policy: str = "probs"
-    budget: int | None = None
+    budget: int | None = None  # MoEConfig.max_tokens_per_rank; with symm, LayerExecution.row_budget instead
     per_expert: bool = False  # the experts run one GEMM per expert on the dispatcher's host counts
     tied: bool = False  # lm_head shares the input embedding's weight
-    dedup: bool = False  # MoEConfig.token_dedup
-    symm: bool = False  # MoEConfig.symmetric_memory_dispatch (CUDA only)
+    dedup: bool = False  # LayerExecution.token_dedup
+    symm: bool = False  # LayerExecution(exchange="symmetric_memory") (CUDA only)
     top_k: int = 2
 
     def config(self) -> MoEConfig:
@@ -87,9 +87,15 @@ class Case:
             moe_z_loss_coeff=0.001,
             capacity_factor=self.capacity,
             drop_policy=self.policy,  # type: ignore[arg-type]
-            max_tokens_per_rank=self.budget,
+            max_tokens_per_rank=None if self.symm else self.budget,
+        )
+
+    def execution(self) -> LayerExecution:
+        """How the expert-parallel model's layers run (the reference runs on one process, locally)."""
+        return LayerExecution(
+            exchange="symmetric_memory" if self.symm else "collective",
             token_dedup=self.dedup,
-            symmetric_memory_dispatch=self.symm,
+            row_budget=self.budget if self.symm else None,
         )
 
 
@@ -123,7 +129,7 @@ def run_case(rank: int, world: int, case: Case) -> None:
     ref = lightning_ep.transform(copy.deepcopy(base), ref_config)
     model = copy.deepcopy(base)
     mesh = lightning_ep.init_mesh(case.degree, replicate_degree=case.replicate, device_type=device.type)
-    lightning_ep.transform(model, config, mesh=mesh)
+    lightning_ep.transform(model, config, mesh=mesh, execution=case.execution())
     if case.per_expert:
         for layer in lightning_ep.moe_layers(model):
             layer.experts.use_grouped_mm = False

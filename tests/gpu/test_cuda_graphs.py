@@ -1,5 +1,5 @@
-"""``MoEConfig.cuda_graphs`` on 1 GPU (the local dispatch) and 2 GPUs (the symmetric-memory dispatch's
-static plan, NCCL): the replayed layers give the eager layers' bits."""
+"""``Execution(cuda_graphs=True)`` (``LayerExecution``) on 1 GPU (the local dispatch) and 2 GPUs (the
+symmetric-memory exchange's static plan, NCCL): the replayed layers give the eager layers' bits."""
 
 from __future__ import annotations
 

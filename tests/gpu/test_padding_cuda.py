@@ -14,12 +14,12 @@ import torch
 from conftest import rel_err
 
 import lightning_ep
-from lightning_ep import MoEConfig
+from lightning_ep import LayerExecution, MoEConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _model(**moe: object) -> torch.nn.Module:
+def _model(execution: LayerExecution | None = None, **moe: object) -> torch.nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
@@ -28,7 +28,8 @@ def _model(**moe: object) -> torch.nn.Module:
         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
     )  # fmt: skip
     model = MixtralForCausalLM(config)
-    return lightning_ep.transform(model, MoEConfig(**moe)).to("cuda", torch.bfloat16).train()  # type: ignore[arg-type]
+    moe_config = MoEConfig(**moe)  # type: ignore[arg-type]
+    return lightning_ep.transform(model, moe_config, execution=execution).to("cuda", torch.bfloat16).train()
 
 
 def _batch(pad_seed: int | None) -> dict[str, torch.Tensor]:
@@ -50,7 +51,7 @@ def _batch(pad_seed: int | None) -> dict[str, torch.Tensor]:
         {"moe_load_balancing": "sinkhorn"},
         {"moe_load_balancing": "aux_loss", "capacity_factor": 0.5, "drop_policy": "position"},
         {"moe_load_balancing": "balanced", "capacity_factor": 0.5},
-        {"moe_load_balancing": "none", "cuda_graphs": True},
+        {"moe_load_balancing": "none", "execution": LayerExecution(cuda_graphs=True)},
     ],
     ids=["sinkhorn", "aux-capacity-position", "balanced-capacity", "graphs"],
 )

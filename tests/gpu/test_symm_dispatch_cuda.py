@@ -1,4 +1,4 @@
-"""``MoEConfig.symmetric_memory_dispatch`` on 2 GPUs (NCCL), and the padded all-to-all
+"""``Execution(exchange="symmetric_memory")`` on 2 GPUs (NCCL), and the padded all-to-all
 (``Execution(row_budget=...)``) on 1 and 2: bit for bit the all-to-all dispatcher, no host sync.
 
 The full-model equivalence against data parallelism runs in ``test_nccl_equivalence.py`` (cases with

@@ -212,15 +212,13 @@ def slow_down_saves_from(step_holder: dict, from_step: int, seconds: float) -> N
     mp._distributed_checkpoint_save = slow
 
 
-def moe_config(mode: str, args: argparse.Namespace) -> MoEConfig:
-    return MoEConfig(
-        moe_load_balancing=mode, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, token_dedup=args.token_dedup
-    )
+def moe_config(mode: str) -> MoEConfig:
+    return MoEConfig(moe_load_balancing=mode, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
 
 
 def run_trainer(args: argparse.Namespace) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    moe = moe_config(args.mode, args)
+    moe = moe_config(args.mode)
     strategy = ExpertParallelStrategy(
         args.degree,
         replicate_degree=args.replicate,
@@ -232,6 +230,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
         execution=lightning_ep.Execution(
             compile=True if args.compile else "auto",
             single_rank_fsdp=False if args.single_rank_fsdp == "off" else "auto",
+            token_dedup=True if args.token_dedup else "auto",
         ),
         process_group_backend="gloo",
         timeout=timedelta(seconds=120),
@@ -261,7 +260,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
     else:
         module = Module(args.lr, pretrained=args.pretrained, value_head=args.value_head, frozen_copy=args.frozen_copy)
     module.poison_step = args.poison_step
-    module.pre_transform = moe_config(args.pre_transform, args) if args.pre_transform else None
+    module.pre_transform = moe_config(args.pre_transform) if args.pre_transform else None
     module.record_balance = args.mode == "balanced"
     if args.slow_save_from is not None:
         slow_down_saves_from({"trainer": trainer}, args.slow_save_from, 600.0)
@@ -400,7 +399,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--save-to", default=None)
     parser.add_argument("--manual", action="store_true", help="manual optimization; opt.step() every --accumulate")
-    parser.add_argument("--token-dedup", action="store_true", help="MoEConfig(token_dedup=True)")
+    parser.add_argument("--token-dedup", action="store_true", help="Execution(token_dedup=True)")
     parser.add_argument("--pre-transform", default=None, help="configure_model transforms with this balancing mode")
     parser.add_argument("--allow", default=None, help="comma-separated allow_moe_config_change")
     parser.add_argument("--resume", default=None)

@@ -51,6 +51,15 @@ def _strip_record(checkpoint: Path) -> None:
     torch.save(meta, checkpoint / "meta.pt")
 
 
+def _record_of_an_older_release(checkpoint: Path, moved: dict[str, bool]) -> None:
+    """Make ``checkpoint`` (sharded) look saved by a release whose ``MoEConfig`` still held the fields
+    that moved to ``Execution`` (``MOVED_TO_EXECUTION``), with the values ``moved``."""
+    meta = torch.load(checkpoint / "meta.pt", weights_only=True)
+    assert not set(moved) & set(meta["lightning_ep"]["moe_config"])  # this release no longer records them
+    meta["lightning_ep"]["moe_config"].update(moved)
+    torch.save(meta, checkpoint / "meta.pt")
+
+
 def _fails(tmp: Path, name: str, *args: str) -> str:
     """Run the worker on 2 processes, expect it to fail, and return its stderr."""
     cmd = [
@@ -128,12 +137,28 @@ def test_balanced_bias_under_manual_optimization(tmp_path: Path) -> None:
 
 
 def test_execution_options_may_change_on_resume(saved: dict) -> None:
-    """The ``EXECUTION_FIELDS`` of ``lightning_ep.moe.config`` do not change the math: resuming with
-    ``token_dedup=True`` is accepted without being allowed, and reproduces the run."""
+    """How a step runs (``Execution``) does not change the math and is not in the checkpoint's record:
+    resuming with ``Execution(token_dedup=True)`` is accepted without being allowed, and reproduces the
+    run."""
     tmp = saved["tmp"]
     resumed = run(
         tmp, "dedup", "--degree", "2", "--mode", "sinkhorn", "--token-dedup", "--resume", str(tmp / "sinkhorn.ckpt")
     )
+    assert_close(resumed["losses"], saved["sinkhorn"]["losses"][2:], rtol=1e-6)
+
+
+def test_a_record_naming_the_fields_that_moved_to_execution_still_resumes(saved: dict) -> None:
+    """A checkpoint of an older release records ``token_dedup``, ``symmetric_memory_dispatch`` and
+    ``cuda_graphs`` in its ``moe_config`` (``MoEConfig`` no longer has them; they are ``Execution``'s
+    now): they changed how the math ran, so the resume is accepted without being allowed (whatever
+    their values) and reproduces the run."""
+    tmp = saved["tmp"]
+    checkpoint = tmp / "older-release.ckpt"
+    shutil.copytree(tmp / "sinkhorn.ckpt", checkpoint)
+    _record_of_an_older_release(
+        checkpoint, {"token_dedup": True, "symmetric_memory_dispatch": False, "cuda_graphs": True}
+    )
+    resumed = run(tmp, "older-release", "--degree", "2", "--mode", "sinkhorn", "--resume", str(checkpoint))
     assert_close(resumed["losses"], saved["sinkhorn"]["losses"][2:], rtol=1e-6)
 
 

@@ -9,7 +9,8 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
-from lightning_ep import ExpertParallelStrategy, MoEConfig
+from lightning_ep import Execution, ExpertParallelStrategy, MoEConfig
+from lightning_ep.execution import Environment, resolve
 
 
 class Module(LightningModule):
@@ -234,33 +235,73 @@ def test_compile_layers_with_the_models_own_blocks(single_process) -> None:
             {"activation_checkpointing": "keep_all_to_all", "moe": MoEConfig(moe_all_to_all_dispatcher=False)},
             ValueError,
             r"keeps the all-to-all dispatcher's exchanges, but MoEConfig has moe_all_to_all_dispatcher=False, "
-            r"capacity_factor=None, symmetric_memory_dispatch=False; use the dropless all-to-all dispatcher",
+            r"capacity_factor=None; use the dropless all-to-all dispatcher \(True, None\)",
         ),
         (
             {"activation_checkpointing": "keep_all_to_all", "moe": MoEConfig(capacity_factor=1.0)},
             ValueError,
-            r"moe_all_to_all_dispatcher=True, capacity_factor=1.0, symmetric_memory_dispatch=False; use the dropless",
-        ),
-        (
-            {"activation_checkpointing": "keep_all_to_all", "moe": MoEConfig(symmetric_memory_dispatch=True)},
-            ValueError,
-            r"capacity_factor=None, symmetric_memory_dispatch=True; use the dropless all-to-all dispatcher "
-            r"\(True, None, False\)",
-        ),
-        (
-            {
-                "activation_checkpointing": True,
-                "moe": MoEConfig(symmetric_memory_dispatch=True, max_tokens_per_rank=1024, cuda_graphs=True),
-            },
-            ValueError,
-            r"activation_checkpointing=True\) recomputes each decoder layer, which MoEConfig.cuda_graphs=True "
-            r"cannot replay .*; drop one of them",
+            r"moe_all_to_all_dispatcher=True, capacity_factor=1.0; use the dropless",
         ),
     ],
 )
 def test_constructor_arguments(kwargs: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         ExpertParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("execution", "checkpointing", "degree", "message"),
+    [
+        (
+            Execution(exchange="symmetric_memory"),
+            "keep_all_to_all",
+            2,
+            r"ExpertParallelStrategy\(activation_checkpointing='keep_all_to_all'\) keeps the collective all-to-all's "
+            r"exchanges, but Execution\(exchange='symmetric_memory', token_dedup='auto'\); use the defaults, or "
+            r"activation_checkpointing=True\.",
+        ),
+        (
+            Execution(cuda_graphs=True),
+            True,
+            1,
+            r"Execution\(cuda_graphs=True\) needs no activation checkpointing; use cuda_graphs='auto'\.",
+        ),
+        (
+            Execution(exchange="symmetric_memory", row_budget=1024, cuda_graphs=True),
+            True,
+            2,
+            r"Execution\(row_budget=1024\) reruns a training step over budget before its backward, but activation "
+            r"checkpointing \(True\) recomputes the layers inside the backward",
+        ),
+    ],
+    ids=["symmetric-keep-all-to-all", "graphs-checkpointing", "budget-checkpointing"],
+)
+def test_execution_contradicting_activation_checkpointing(
+    execution: Execution, checkpointing: bool | str, degree: int, message: str
+) -> None:
+    """Choices of ``Execution`` that ``activation_checkpointing`` cannot run with are refused when the
+    strategy resolves them at setup (from what it runs on: here one node of CUDA GPUs), before any step;
+    ``MoEConfig`` holds none of them any more (``tests/unit/test_config.py``)."""
+    env = Environment(
+        device_type="cuda",
+        triton=True,
+        num_nodes=1,
+        devices_per_node=degree,
+        degree=degree,
+        precision="bf16-mixed",
+        activation_checkpointing=checkpointing,
+    )
+    with pytest.raises(ValueError, match=message):
+        resolve(execution, env, MoEConfig())
+
+
+def test_execution_that_cannot_apply_is_refused_before_the_first_step(single_process) -> None:
+    """Through the Trainer: the strategy resolves its ``Execution`` at setup."""
+    module = Module(_mixtral)
+    strategy = ExpertParallelStrategy(1, execution=Execution(token_dedup=True), process_group_backend="gloo")
+    with pytest.raises(ValueError, match=r"Execution\(token_dedup=True\) deduplicates the dropless .* degree=1"):
+        _fit(module, strategy)
+    assert module.steps == 0
 
 
 def test_registered_name() -> None:

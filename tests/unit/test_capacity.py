@@ -151,7 +151,8 @@ def test_keep_all_to_all_refuses_a_dispatcher_without_kept_exchanges() -> None:
     model = lightning_ep.transform(tiny_mixtral(), MoEConfig(capacity_factor=1.0, moe_load_balancing="none"))
     for layer in lightning_ep.moe_layers(model):
         layer.keep_all_to_all = True
-    with pytest.raises(ValueError, match=re.escape("capacity_factor=None, symmetric_memory_dispatch=False) or keep")):
+    fix = "MoEConfig(moe_all_to_all_dispatcher=True, capacity_factor=None) and Execution(exchange='collective') or keep"
+    with pytest.raises(ValueError, match=re.escape(fix)):
         model(input_ids=torch.randint(0, 128, (2, 8)))
 
 

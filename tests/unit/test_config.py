@@ -99,11 +99,32 @@ def test_negative_seed():
         MoEConfig(random_seed=-1)
 
 
-@pytest.mark.parametrize("name", ["smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher", "cuda_graphs"])
+@pytest.mark.parametrize("name", ["smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher"])
 @pytest.mark.parametrize(("value", "shown"), [(1, "1 (int)"), ("yes", "'yes' (str)"), (None, "None (NoneType)")])
 def test_flags_must_be_bool(name, value, shown):
     with pytest.raises(TypeError, match=re.escape(f"MoEConfig.{name} must be a bool, got {shown}.")):
         MoEConfig(**{name: value})
+
+
+@pytest.mark.parametrize(
+    ("name", "spelling"),
+    [
+        ("token_dedup", "Execution(token_dedup=True)"),
+        ("symmetric_memory_dispatch", "Execution(exchange='symmetric_memory', row_budget=N)"),
+        ("cuda_graphs", "Execution(cuda_graphs=True)"),
+    ],
+)
+@pytest.mark.parametrize("value", [True, False])
+def test_execution_choices_moved_to_execution(name, spelling, value):
+    """``lightning_ep.Execution`` is the only home of how a step runs: ``MoEConfig`` refuses its old
+    execution fields by name, with the ``Execution`` spelling, whatever their value (a checkpoint
+    record that still names them resumes: ``tests/unit/test_config_in_force.py``)."""
+    assert name not in {f.name for f in dataclasses.fields(MoEConfig)}
+    expected = f"MoEConfig({name}=...) moved to lightning_ep.Execution"
+    with pytest.raises(TypeError, match=re.escape(expected) + ".*" + re.escape(spelling)):
+        MoEConfig(**{name: value})
+    with pytest.raises(TypeError, match=re.escape(expected)):
+        dataclasses.replace(MoEConfig(moe_load_balancing="none"), **{name: value})
 
 
 def test_unknown_router_dtype():

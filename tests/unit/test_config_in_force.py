@@ -1,6 +1,7 @@
 """No MoE configuration is silently ignored (one process): ``transform`` on a transformed model,
-the ``EXECUTION_FIELDS`` rule, the checkpoint record's check, and the bias keys of an allowed
-balancing switch. The same refusals through the Trainer: ``tests/trainer/test_resume.py``."""
+the ``EXECUTION_FIELDS`` rule (records of older releases included), the checkpoint record's check,
+and the bias keys of an allowed balancing switch. The same refusals through the Trainer:
+``tests/trainer/test_resume.py``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from conftest import tiny_mixtral
 import lightning_ep
 from lightning_ep import MoEConfig
 from lightning_ep.checkpoints import check_record, make_record, moe_shape, saved_bias_keys
-from lightning_ep.moe.config import EXECUTION_FIELDS, config_differences
+from lightning_ep.moe.config import ABSENT, EXECUTION_FIELDS, MOVED_TO_EXECUTION, config_differences
 
 PATH = Path("runs/last.ckpt")
 
@@ -31,12 +32,12 @@ def test_transform_again_with_another_config_is_refused() -> None:
     model = lightning_ep.transform(tiny_mixtral(), MoEConfig(moe_load_balancing="aux_loss"))
     message = (
         r"transform\(model, config\): the model's MoE layers were already built by transform\(\) with another "
-        r"MoEConfig, which stays in force: moe_load_balancing='aux_loss' \(asked: 'balanced'\), token_dedup=False "
-        r"\(asked: True\). A model is transformed once; drop one of the two transform\(\) calls, or pass both the "
-        r"same MoEConfig."
+        r"MoEConfig, which stays in force: moe_load_balancing='aux_loss' \(asked: 'balanced'\), "
+        r"max_tokens_per_rank=None \(asked: 64\). A model is transformed once; drop one of the two transform\(\) "
+        r"calls, or pass both the same MoEConfig."
     )
     with pytest.raises(ValueError, match=message):
-        lightning_ep.transform(model, MoEConfig(moe_load_balancing="balanced", token_dedup=True))
+        lightning_ep.transform(model, MoEConfig(moe_load_balancing="balanced", max_tokens_per_rank=64))
     with pytest.raises(ValueError, match=r"which stays in force: smp_moe=True \(asked: False\)"):
         lightning_ep.transform(model, MoEConfig(smp_moe=False))
     assert all(layer.config.moe_load_balancing == "aux_loss" for layer in lightning_ep.moe_layers(model))
@@ -44,10 +45,13 @@ def test_transform_again_with_another_config_is_refused() -> None:
 
 def test_execution_fields_are_the_only_ones_that_may_differ() -> None:
     base = MoEConfig()
-    assert set(EXECUTION_FIELDS) < {f.name for f in fields(MoEConfig)}
-    execution = MoEConfig(moe_all_to_all_dispatcher=True, token_dedup=True, max_tokens_per_rank=64)
-    assert config_differences(base, execution, math_only=True) == {}
-    assert config_differences(base, execution) == {"max_tokens_per_rank": (None, 64), "token_dedup": (False, True)}
+    names = {f.name for f in fields(MoEConfig)}
+    # The execution fields MoEConfig still has, and those that moved to Execution (older records name them).
+    assert set(EXECUTION_FIELDS) == {"moe_all_to_all_dispatcher", "max_tokens_per_rank", *MOVED_TO_EXECUTION}
+    assert {"moe_all_to_all_dispatcher", "max_tokens_per_rank"} < names and not set(MOVED_TO_EXECUTION) & names
+    guarded = MoEConfig(max_tokens_per_rank=64)
+    assert config_differences(base, guarded, math_only=True) == {}
+    assert config_differences(base, guarded) == {"max_tokens_per_rank": (None, 64)}
     assert config_differences(base, MoEConfig(moe_all_to_all_dispatcher=False), math_only=True) == {}
     # Every other field changes the math.
     for name, value in (("random_seed", 1), ("router_dtype", "float64"), ("global_token_shuffle", True)):
@@ -69,12 +73,29 @@ def test_a_record_of_another_version_compares_by_defaults() -> None:
     )
 
 
+def test_a_record_with_the_fields_that_moved_to_execution_still_resumes() -> None:
+    """A checkpoint of an older release records ``token_dedup``, ``symmetric_memory_dispatch`` and
+    ``cuda_graphs`` in its ``moe_config``: they changed how the math ran, not the math, so they differ
+    (from fields this ``MoEConfig`` lacks) but are never refused; the math is still checked."""
+    model = lightning_ep.transform(tiny_mixtral(), MoEConfig(moe_load_balancing="none"))
+    now = MoEConfig(moe_load_balancing="none")
+    for value in (False, True):
+        record = make_record(now, model)
+        record["moe_config"] |= dict.fromkeys(MOVED_TO_EXECUTION, value)
+        assert config_differences(record["moe_config"], now, math_only=True) == {}
+        assert config_differences(record["moe_config"], now) == {name: (value, ABSENT) for name in MOVED_TO_EXECUTION}
+        check_record(record, now, model, allowed=(), path=PATH)
+    record["moe_config"]["moe_load_balancing"] = "sinkhorn"
+    with pytest.raises(ValueError, match=r"another MoE configuration: MoEConfig.moe_load_balancing='sinkhorn' "):
+        check_record(record, now, model, allowed=(), path=PATH)
+
+
 def test_check_record_refuses_by_name_and_allows_by_name() -> None:
     model = lightning_ep.transform(tiny_mixtral(), MoEConfig(moe_load_balancing="balanced"))
     record = make_record(MoEConfig(moe_load_balancing="sinkhorn", balance_update_rate=0.01), model)
     assert record["moe_shape"] == {"model_type": "mixtral", "num_experts": 8, "top_k": 2, "num_moe_layers": 2}
     assert moe_shape(tiny_mixtral()) == record["moe_shape"]  # the same before transform
-    now = MoEConfig(moe_load_balancing="balanced", token_dedup=True)
+    now = MoEConfig(moe_load_balancing="balanced", max_tokens_per_rank=64)  # an execution field: never refused
     message = (
         r"checkpoint 'runs/last.ckpt' was saved with another MoE configuration: "
         r"MoEConfig.moe_load_balancing='sinkhorn' \(this run: 'balanced'\), MoEConfig.balance_update_rate=0.01 "
@@ -107,3 +128,15 @@ def test_saved_bias_keys_match_the_checkpoint_while_loading(saved: str, now: str
     assert torch.equal(model.lm_head.weight, source.lm_head.weight)
     if now == "balanced":
         assert all(torch.count_nonzero(layer.gate.expert_bias) == 0 for layer in layers)
+
+
+def test_execution_given_by_hand_and_another_by_the_strategy_is_refused() -> None:
+    from lightning_ep import LayerExecution
+    from lightning_ep.transform import check_execution_in_force
+
+    model = lightning_ep.transform(tiny_mixtral(), MoEConfig(), execution=LayerExecution(cuda_graphs=True))
+    check_execution_in_force(model, LayerExecution(cuda_graphs=True))  # the same choices: accepted
+    with pytest.raises(ValueError, match=r"given LayerExecution\(cuda_graphs=True.*drop transform\(\)'s execution="):
+        check_execution_in_force(model, LayerExecution())
+    # Layers left at the defaults take the strategy's choices.
+    check_execution_in_force(lightning_ep.transform(tiny_mixtral(), MoEConfig()), LayerExecution(cuda_graphs=True))

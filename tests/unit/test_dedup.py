@@ -1,13 +1,14 @@
 """Token deduplication's pieces on one process: the deterministic segment sum and
-``MoEConfig.token_dedup``'s checks. The exchange itself is tested on gloo processes
-(``tests/distributed``: ``Case(dedup=...)`` and ``test_keep_all_to_all``) and under NCCL (``tests/gpu``)."""
+``LayerExecution.token_dedup``'s checks (``Execution(token_dedup=True)`` under the strategy). The
+exchange itself is tested on gloo processes (``tests/distributed``: ``Case(dedup=...)`` and
+``test_keep_all_to_all``) and under NCCL (``tests/gpu``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_ep import MoEConfig
+from lightning_ep import LayerExecution, MoEConfig
 from lightning_ep.moe.dispatch.dedup import segment_sum, wire_dtype
 
 
@@ -28,11 +29,19 @@ def test_segment_sum_keeps_fp64_precision():
 
 
 def test_token_dedup_is_checked():
-    assert MoEConfig().token_dedup is False
-    with pytest.raises(TypeError, match=r"MoEConfig.token_dedup must be a bool, got 1 \(int\)"):
-        MoEConfig(token_dedup=1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"token_dedup=True deduplicates the dropless all-to-all dispatch"):
-        MoEConfig(token_dedup=True, capacity_factor=1.0)
-    with pytest.raises(ValueError, match=r"moe_all_to_all_dispatcher=False"):
-        MoEConfig(token_dedup=True, moe_all_to_all_dispatcher=False)
-    MoEConfig(token_dedup=False, capacity_factor=1.0)  # off is always allowed
+    assert LayerExecution().token_dedup is False
+    with pytest.raises(TypeError, match=r"LayerExecution\(token_dedup=1\): pass True or False"):
+        LayerExecution(token_dedup=1)  # type: ignore[arg-type]
+    dedup = LayerExecution(token_dedup=True)
+    refused = r"Execution\(exchange='collective', token_dedup=True, row_budget=None\) changes the dropless all-to-all"
+    with pytest.raises(ValueError, match=refused + r".*capacity_factor=1.0"):
+        dedup.check(MoEConfig(capacity_factor=1.0), 2)
+    with pytest.raises(ValueError, match=refused + r".*moe_all_to_all_dispatcher=False"):
+        dedup.check(MoEConfig(moe_all_to_all_dispatcher=False), 2)
+    with pytest.raises(ValueError, match=refused + r".*degree=1"):
+        dedup.check(MoEConfig(), 1)
+    dedup.check(MoEConfig(), 2)
+    for other in ({"exchange": "symmetric_memory"}, {"row_budget": 64}, {"row_budget": "auto"}):
+        with pytest.raises(ValueError, match=r"token_dedup=True deduplicates the dynamic collective all-to-all"):
+            LayerExecution(token_dedup=True, **other)  # type: ignore[arg-type]
+    LayerExecution(token_dedup=False).check(MoEConfig(capacity_factor=1.0), 2)  # off is always allowed

@@ -16,6 +16,7 @@ from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.dispatch.base import inverse_permutation, sort_by_expert
 from lightning_ep.moe.dispatch.symm_pull import REGIONS, SymmetricWorkspace, align, offsets, region_sizes
 from lightning_ep.moe.dispatch.symmetric import RowBudget, plan_pulls, sort_pairs, static_plan
+from lightning_ep.moe.layer_execution import LayerExecution
 
 
 def _ranks(tokens: list[int], num_experts: int, top_k: int, seed: int) -> list[dict]:
@@ -198,8 +199,9 @@ def test_row_budget_raises_once_an_excess_is_seen() -> None:
     budget.check(wait=False)
     budget.note(torch.tensor([12, 3]))
     pattern = (
-        r"sent 12 rows to the experts of expert-parallel rank 0 in one layer, over MoEConfig.max_tokens_per_rank=10 "
-        r"\(loads per rank: \[12, 10\]\).*the rows past it were left out of that layer's output"
+        r"sent 12 rows to the experts of expert-parallel rank 0 in one layer, over the row budget "
+        r"Execution\(row_budget=10\) \(loads per rank: \[12, 10\]\).*raise the row budget if memory allows.*"
+        r"the rows past it were left out of that layer's output"
     )
     with pytest.raises(RuntimeError, match=pattern):
         budget.check(wait=False)
@@ -232,18 +234,34 @@ def test_workspace_region_refuses_a_tensor_larger_than_its_region() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "shown"),
     [
-        {"moe_all_to_all_dispatcher": False},
-        {"capacity_factor": 1.0},
-        {"token_dedup": True},
+        ({"moe_all_to_all_dispatcher": False}, "moe_all_to_all_dispatcher=False"),
+        ({"capacity_factor": 1.0}, "capacity_factor=1.0"),
     ],
 )
-def test_config_rejects_symmetric_memory_with_other_exchanges(kwargs: dict) -> None:
-    with pytest.raises(ValueError, match="symmetric_memory_dispatch=True replaces the dropless all-to-all"):
-        MoEConfig(symmetric_memory_dispatch=True, **kwargs)
-    with pytest.raises(TypeError, match="symmetric_memory_dispatch must be a bool"):
-        MoEConfig(symmetric_memory_dispatch=1)  # type: ignore[arg-type]
+def test_symmetric_memory_replaces_only_the_dropless_all_to_all(kwargs: dict, shown: str) -> None:
+    symm = LayerExecution(exchange="symmetric_memory")
+    with pytest.raises(
+        ValueError, match=r"Execution\(exchange='symmetric_memory', .*\) changes the dropless all-to-all"
+    ):
+        symm.check(MoEConfig(**kwargs), 2)
+    with pytest.raises(ValueError, match=shown):
+        LayerExecution(exchange="symmetric_memory", row_budget=64).check(MoEConfig(**kwargs), 2)
+    symm.check(MoEConfig(), 2)
+
+
+def test_symmetric_memory_execution_values_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"token_dedup=True deduplicates the dynamic collective all-to-all"):
+        LayerExecution(exchange="symmetric_memory", token_dedup=True)
+    with pytest.raises(ValueError, match=r"LayerExecution\(exchange='nvlink'\): pass 'collective' or"):
+        LayerExecution(exchange="nvlink")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"the symmetric-memory exchange takes an int"):
+        LayerExecution(exchange="symmetric_memory", row_budget="auto")
+    with pytest.raises(ValueError, match=r"LayerExecution\(row_budget=0\): pass an int >= 1, 'auto' or None"):
+        LayerExecution(exchange="symmetric_memory", row_budget=0)
+    with pytest.raises(ValueError, match=r"degree=1"):  # no exchange at degree 1
+        LayerExecution(exchange="symmetric_memory").check(MoEConfig(), 1)
 
 
 def test_pull_kernels_in_the_triton_interpreter() -> None:

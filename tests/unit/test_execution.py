@@ -11,10 +11,10 @@ import warnings
 import pytest
 import torch
 
-from lightning_ep import Execution, MoEConfig
+from lightning_ep import Execution, LayerExecution, MoEConfig
 from lightning_ep.execution import Environment, Resolved, resolve, with_optimizers
 from lightning_ep.execution_adamw import KERNEL_ADAMW, TORCH_ADAMW
-from lightning_ep.execution_setup import merge, optimizer_names, with_compile_layers
+from lightning_ep.execution_setup import optimizer_names, with_compile_layers
 
 
 def _env(**overrides: object) -> Environment:
@@ -70,8 +70,7 @@ def test_one_gpu_gets_compile_graphs_and_the_fused_adamw() -> None:
     assert rows["cuda_graphs"] == ("on", "auto")
     assert resolved.single_rank_fsdp
     assert rows["single_rank_fsdp"] == ("on", "one rank: dense parameters used in place, no FSDP2 copies (same bits)")
-    layers = resolved.moe_config(MoEConfig())
-    assert layers.cuda_graphs and not layers.token_dedup and not layers.symmetric_memory_dispatch
+    assert resolved.layers == LayerExecution(cuda_graphs=True)  # the local dispatch, no exchange choices
 
 
 def test_single_rank_fsdp_applies_only_where_it_keeps_the_bits() -> None:
@@ -163,8 +162,8 @@ def test_forced_choices_are_kept_or_refused_by_name() -> None:
     symm = Execution(exchange="symmetric_memory", row_budget=4096, cuda_graphs=True)
     resolved = resolve(symm, _env(devices_per_node=2, degree=2), MoEConfig())
     assert resolved.symmetric_memory and resolved.cuda_graphs and resolved.row_budget == 4096
-    layers = resolved.moe_config(MoEConfig())
-    assert layers.symmetric_memory_dispatch and layers.max_tokens_per_rank == 4096 and layers.cuda_graphs
+    assert resolved.layers == LayerExecution(exchange="symmetric_memory", row_budget=4096, cuda_graphs=True)
+    resolved.layers.check(MoEConfig(), 2)  # what the layers are built with applies at that degree
 
 
 @pytest.mark.parametrize(
@@ -185,15 +184,6 @@ def test_forced_choices_are_kept_or_refused_by_name() -> None:
 def test_bad_execution_values(kwargs: dict, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         Execution(**kwargs)
-
-
-def test_moe_config_fields_force_the_same_choices_and_contradictions_are_refused() -> None:
-    merged = merge(Execution(), MoEConfig(cuda_graphs=True, token_dedup=True))
-    assert merged.cuda_graphs is True and merged.token_dedup is True
-    with pytest.raises(ValueError, match=r"MoEConfig sets cuda_graphs=True but Execution\(cuda_graphs=False\)"):
-        merge(Execution(cuda_graphs=False), MoEConfig(cuda_graphs=True))
-    merged = merge(Execution(), MoEConfig(symmetric_memory_dispatch=True, max_tokens_per_rank=512))
-    assert merged.exchange == "symmetric_memory" and merged.row_budget == 512
 
 
 def test_compile_layers_is_deprecated_but_kept() -> None:
@@ -308,8 +298,9 @@ def test_optimizer_names_name_the_class_that_steps() -> None:
 
 
 def test_a_row_budget_pads_the_collective_exchange_and_is_refused_where_it_cannot_apply() -> None:
-    """``row_budget`` with the collective exchange: the padded all-to-all, given to the layers by the
-    strategy (``padded_budget``), not through ``MoEConfig.max_tokens_per_rank`` (the safety bound)."""
+    """``row_budget`` with the collective exchange: the padded all-to-all, the layers' own
+    ``LayerExecution.row_budget`` (``Resolved.layers``), not ``MoEConfig.max_tokens_per_rank`` (the safety
+    bound, which the resolution leaves alone)."""
     for budget, sized in (("auto", "sized by the first step, grown to fit"), (4096, "forced")):
         for env in (
             _env(device_type="cpu", devices_per_node=2, degree=2, precision="32-true"),
@@ -320,13 +311,12 @@ def test_a_row_budget_pads_the_collective_exchange_and_is_refused_where_it_canno
                 str(budget),
                 f"{sized}; no host sync; a step over it reruns on the dynamic plan",
             )
-            assert resolved.padded_budget == budget and not resolved.symmetric_memory
-            assert resolved.moe_config(MoEConfig()).max_tokens_per_rank is None
+            assert resolved.layers == LayerExecution(row_budget=budget) and not resolved.symmetric_memory
             assert not resolved.cuda_graphs  # graphs above degree 1 capture the symmetric-memory plan only
     symm = resolve(
         Execution(exchange="symmetric_memory", row_budget=512), _env(devices_per_node=2, degree=2), MoEConfig()
     )
-    assert symm.padded_budget is None and symm.moe_config(MoEConfig()).max_tokens_per_rank == 512
+    assert symm.layers == LayerExecution(exchange="symmetric_memory", row_budget=512)
     with pytest.raises(ValueError, match=r"row_budget='auto'\) sizes the static plan .* degree=1"):
         resolve(Execution(row_budget="auto"), _env(), MoEConfig())
     with pytest.raises(ValueError, match=r"capacity_factor=1.25"):
@@ -351,7 +341,7 @@ def test_large_experts_keep_graphs_off_for_the_per_expert_backward() -> None:
         "auto: off for large experts (117 M elements in one's gate/up weight): GPU-bound, and their backward runs "
         "cuBLAS per expert",
     )
-    assert not resolved.moe_config(MoEConfig()).cuda_graphs
+    assert not resolved.layers.cuda_graphs
     deepseek_v3 = 2 * 2048 * 7168
     assert resolve(Execution(), _env(expert_elements=deepseek_v3), MoEConfig()).cuda_graphs
     assert resolve(Execution(), _env(expert_elements=mixtral, lora_ranks=(16,)), MoEConfig()).cuda_graphs

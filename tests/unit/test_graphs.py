@@ -1,5 +1,6 @@
-"""``MoEConfig.cuda_graphs`` on the CPU: its configuration errors, and nothing changes off CUDA. The
-graphs themselves: ``tests/gpu/test_cuda_graphs.py``."""
+"""``LayerExecution(cuda_graphs=True)`` (``Execution(cuda_graphs=True)`` under the strategy) on the
+CPU: its configuration errors, and nothing changes off CUDA. The graphs themselves:
+``tests/gpu/test_cuda_graphs.py``."""
 
 from __future__ import annotations
 
@@ -8,41 +9,69 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_mixtral
 from torch import nn
 
+import lightning_ep
+from lightning_ep import LayerExecution
 from lightning_ep.moe import GroupedExperts, LocalDispatcher, MoEConfig, MoELayer, TopKRouter
 from lightning_ep.moe.dispatch.capacity import CapacityDispatcher
-from lightning_ep.moe.dispatch.select import check_graphs_plan, make_dispatcher
+from lightning_ep.moe.dispatch.select import make_dispatcher
 from lightning_ep.moe.graphs import LayerGraphs
 
 
 @pytest.mark.parametrize(
     ("kwargs", "shown"),
     [
-        ({}, "symmetric_memory_dispatch=False, max_tokens_per_rank=None"),
-        ({"symmetric_memory_dispatch": True}, "symmetric_memory_dispatch=True, max_tokens_per_rank=None"),
-        ({"max_tokens_per_rank": 64}, "symmetric_memory_dispatch=False, max_tokens_per_rank=64"),
+        ({}, "exchange='collective', row_budget=None"),
+        ({"exchange": "symmetric_memory"}, "exchange='symmetric_memory', row_budget=None"),
+        ({"row_budget": 64}, "exchange='collective', row_budget=64"),
+        ({"row_budget": "auto"}, "exchange='collective', row_budget='auto'"),
     ],
 )
 def test_cuda_graphs_above_degree_1_need_the_static_plan(kwargs: dict, shown: str) -> None:
-    """Checked where the dispatcher is made (``make_dispatcher``), which knows the degree: at degree 1
-    the local dispatch is static already."""
-    config = MoEConfig(cuda_graphs=True, **kwargs)
-    check_graphs_plan(config, 1)
+    """Checked where the dispatcher is made (``LayerExecution.check``, from ``make_dispatcher`` and
+    ``transform``), which knows the degree: at degree 1 the local dispatch is static already."""
+    config = MoEConfig()
+    graphs = LayerExecution(cuda_graphs=True)
+    graphs.check(config, 1)
+    assert isinstance(make_dispatcher(config, 8, execution=graphs), LocalDispatcher)
     message = (
-        "MoEConfig.cuda_graphs=True at expert-parallel degree 2 captures the static plan of the symmetric-memory "
-        f"dispatch, but {shown}; set symmetric_memory_dispatch=True and"
+        "Execution(cuda_graphs=True) at expert-parallel degree 2 captures the static plan of the symmetric-memory "
+        f"exchange, but {shown}; pass exchange='symmetric_memory' and an int row_budget"
     )
     with pytest.raises(ValueError, match=re.escape(message)):
-        check_graphs_plan(config, 2)
-    check_graphs_plan(MoEConfig(symmetric_memory_dispatch=True, max_tokens_per_rank=64, cuda_graphs=True), 2)
-    assert isinstance(make_dispatcher(config, 8), LocalDispatcher)
+        LayerExecution(cuda_graphs=True, **kwargs).check(config, 2)
+    LayerExecution(exchange="symmetric_memory", row_budget=64, cuda_graphs=True).check(config, 2)
 
 
 def test_cuda_graphs_refuse_a_capacity_bound() -> None:
-    message = "MoEConfig.cuda_graphs=True captures a dropless dispatch (the local one at degree 1, the "
-    with pytest.raises(ValueError, match=re.escape(message) + ".*capacity_factor=1.25; set capacity_factor=None"):
-        MoEConfig(cuda_graphs=True, capacity_factor=1.25)
+    message = "Execution(cuda_graphs=True) captures a dropless dispatch, but capacity_factor=1.25; "
+    config = MoEConfig(capacity_factor=1.25)
+    with pytest.raises(ValueError, match=re.escape(message) + "set capacity_factor=None"):
+        LayerExecution(cuda_graphs=True).check(config, 1)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_dispatcher(config, 8, execution=LayerExecution(cuda_graphs=True))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lightning_ep.transform(tiny_mixtral(), config, execution=LayerExecution(cuda_graphs=True))
+    assert isinstance(make_dispatcher(config, 8), CapacityDispatcher)  # off: the capacity dispatch
+
+
+def test_transform_gives_every_layer_its_execution() -> None:
+    """``transform(..., execution=...)`` sets each layer's ``execution`` (checked for the degree first);
+    given again on the transformed model, it replaces the layers'."""
+    model = lightning_ep.transform(tiny_mixtral(), MoEConfig(moe_load_balancing="none"))
+    layers = lightning_ep.moe_layers(model)
+    assert all(layer.execution == LayerExecution() for layer in layers)
+    graphs = LayerExecution(cuda_graphs=True)
+    assert lightning_ep.transform(model, MoEConfig(moe_load_balancing="none"), execution=graphs) is model
+    assert lightning_ep.moe_layers(model) == layers
+    assert all(layer.execution is graphs and not layer.experts.host_counts_in_backward for layer in layers)
+    with pytest.raises(ValueError, match=r"changes the dropless all-to-all between expert-parallel ranks.*degree=1"):
+        lightning_ep.transform(model, MoEConfig(moe_load_balancing="none"), execution=LayerExecution(row_budget=64))
+    assert all(layer.execution is graphs for layer in layers)  # refused before any layer changed
+    lightning_ep.transform(model, MoEConfig(moe_load_balancing="none"), execution=LayerExecution())
+    assert all(layer.execution == LayerExecution() and layer.experts.host_counts_in_backward for layer in layers)
 
 
 def test_layer_graphs_take_a_dispatcher_with_a_static_plan_only() -> None:
@@ -63,8 +92,9 @@ def _layer(config: MoEConfig) -> MoELayer:
 def test_on_the_cpu_the_layer_runs_eagerly_with_the_same_numbers() -> None:
     """CUDA graphs are CUDA's: on the CPU the local dispatch's graphs never capture, and the option
     changes nothing (on GPUs, at degree 1: ``tests/gpu/test_cuda_graphs.py``)."""
-    base = MoEConfig(moe_load_balancing="none", symmetric_memory_dispatch=True, max_tokens_per_rank=256)
-    plain, graphed = _layer(base), _layer(MoEConfig(**{**base.__dict__, "cuda_graphs": True}))
+    base = MoEConfig(moe_load_balancing="none")
+    plain, graphed = _layer(base), _layer(base)
+    graphed.set_execution(LayerExecution(cuda_graphs=True))
     x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
     results = []
     for layer in (plain, graphed):

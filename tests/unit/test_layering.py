@@ -97,13 +97,14 @@ def test_plan_sits_above_moe_and_parallel_and_below_lightning():
 # a new dispatcher or kernel has one obvious place.
 MOE_ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
+    "layer_execution": set(),
     "routing": {"kernels"},
-    "dispatch": {"kernels"},
+    "dispatch": {"kernels", "layer_execution"},
     "experts": {"kernels", "dispatch"},
     "graph_inputs": set(),
     "graphs": {"kernels", "dispatch", "experts", "graph_inputs"},
     "tokens": set(),
-    "layer": {"kernels", "routing", "dispatch", "experts", "graphs", "tokens"},
+    "layer": {"kernels", "routing", "dispatch", "experts", "graphs", "tokens", "layer_execution"},
 }
 _MOE_IMPORT = re.compile(r"^\s*(?:from|import)\s+lightning_ep\.moe\.([a-z_]+)", re.MULTILINE)
 
@@ -133,10 +134,11 @@ def test_moe_sub_packages_import_one_way():
     assert offenders == []
 
 
-def test_no_module_is_over_400_lines():
+def test_no_module_is_over_600_lines():
+    """One concept per module; a module past 600 lines is likely holding two."""
     long = {
         str(path.relative_to(PACKAGE)): n
         for path in PACKAGE.rglob("*.py")
-        if (n := len(path.read_text().splitlines())) > 400
+        if (n := len(path.read_text().splitlines())) > 600
     }
     assert long == {}

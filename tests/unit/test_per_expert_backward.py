@@ -16,6 +16,7 @@ from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
 from lightning_ep.moe.experts.mlp import GROUPED_MM, grouped_mlp
 from lightning_ep.moe.experts.segments import CountsOnHost, segment_linear
 from lightning_ep.moe.kernels.swiglu import swiglu_backward
+from lightning_ep.moe.layer_execution import LayerExecution
 
 H, I, E = 64, 32, 8  # noqa: E741 (shape letters, as in lightning_ep.moe)
 COUNTS = [5, 0, 3, 8, 1, 0, 7, 4]  # experts 1 and 5 receive no row
@@ -200,5 +201,7 @@ def test_moe_layer_keeps_counts_off_the_host_under_cuda_graphs(graphs):
     w1, w2 = _weights(torch.float32)
     experts = GroupedExperts(nn.Parameter(w1), nn.Parameter(w2), F.silu)
     gate = TopKRouter(nn.Parameter(torch.zeros(E, H)), top_k=2, mode="none")
-    MoELayer(gate, experts, MoEConfig(moe_load_balancing="none", cuda_graphs=graphs))
+    layer = MoELayer(gate, experts, MoEConfig(moe_load_balancing="none"))
+    assert experts.host_counts_in_backward  # the default LayerExecution: no graphs
+    layer.set_execution(LayerExecution(cuda_graphs=graphs))
     assert experts.host_counts_in_backward is not graphs

@@ -243,7 +243,7 @@ def exchange_to_keep(records: Any, dispatcher: Any, draw_id: int, backward: bool
     if not getattr(dispatcher, "keeps_exchanges", False):
         raise ValueError(
             f"MoELayer.keep_all_to_all needs the all-to-all dispatcher, got {type(dispatcher).__name__}; "
-            "set MoEConfig(moe_all_to_all_dispatcher=True, capacity_factor=None, symmetric_memory_dispatch=False) "
+            "set MoEConfig(moe_all_to_all_dispatcher=True, capacity_factor=None) and Execution(exchange='collective') "
             "or keep_all_to_all=False."
         )
     return records.recall(draw_id, None) if backward else records.record(draw_id, KeptExchange())
@@ -251,7 +251,7 @@ def exchange_to_keep(records: Any, dispatcher: Any, draw_id: int, backward: bool
 
 def _check_budget(load_D: list[int], budget: int) -> None:
     if max(load_D) > budget:
-        raise RuntimeError(over_budget_message(load_D, budget))
+        raise RuntimeError(over_budget_message(load_D, budget, guard=True))
 
 
 class AllGatherDispatcher:

@@ -226,7 +226,7 @@ class LocalDispatcher:
 
     def dispatch_static(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> tuple[Dispatched, None]:
         """``dispatch``: its shapes depend on ``T`` and ``K`` alone and it reads nothing back to the
-        host, so ``LayerGraphs`` can capture it (``MoEConfig.cuda_graphs`` at degree 1). No budget,
+        host, so ``LayerGraphs`` can capture it (``Execution(cuda_graphs=True)`` at degree 1). No budget,
         so no per-rank loads (``None``)."""
         return self.dispatch(x_TH, expert_ids_TK), None
 

@@ -105,13 +105,15 @@ class RowBudget:
         return True
 
 
-def over_budget_message(load_D: list[int], budget: int) -> str:
-    """The error for rows over a row budget: the rank, its load, every rank's, and the remedies."""
+def over_budget_message(load_D: list[int], budget: int, *, guard: bool = False) -> str:
+    """The error for rows over a row budget (``guard``: over ``MoEConfig.max_tokens_per_rank``): the
+    rank, its load, every rank's, and the remedies."""
+    limit = f"MoEConfig.max_tokens_per_rank={budget}" if guard else f"the row budget Execution(row_budget={budget})"
     worst = max(range(len(load_D)), key=load_D.__getitem__)
     return (
         f"MoE routing sent {load_D[worst]} rows to the experts of expert-parallel rank {worst} in one layer, over "
-        f"MoEConfig.max_tokens_per_rank={budget} (loads per rank: {load_D}). Routing is this skewed early in "
-        "training or with a collapsed router: raise max_tokens_per_rank if memory allows, set a capacity_factor "
+        f"{limit} (loads per rank: {load_D}). Routing is this skewed early in training or with a collapsed "
+        f"router: raise {'it' if guard else 'the row budget'} if memory allows, set a capacity_factor "
         "to drop the excess, or use load balancing (aux_loss / sinkhorn)."
     )
 

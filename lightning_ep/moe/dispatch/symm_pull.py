@@ -120,9 +120,9 @@ class SymmetricWorkspace:
             handle = symm_mem.rendezvous(buffer, self.group)
         except RuntimeError as error:
             raise RuntimeError(
-                "MoEConfig.symmetric_memory_dispatch=True could not map the other GPUs' memory "
+                "Execution(exchange='symmetric_memory') could not map the other GPUs' memory "
                 f"({error}); it needs every rank of the expert-parallel group on one node, with peer "
-                "access (NVLink) between the GPUs. Set symmetric_memory_dispatch=False."
+                "access (NVLink) between the GPUs. Use exchange='collective'."
             ) from error
         world = dist.get_world_size(self.group)
         pointers = [handle.get_buffer(r, (size,), torch.uint8).data_ptr() for r in range(world)]
@@ -141,7 +141,7 @@ class SymmetricWorkspace:
                 f"the symmetric-memory workspace's region {name!r} holds {self.sizes[name]} bytes, but a {list(shape)} "
                 f"{dtype} tensor needs {nbytes}: an exchange larger than the dispatch sized the buffer for (its rows "
                 "wider, or of a wider dtype, than the tokens it dispatched). Please report it; "
-                "symmetric_memory_dispatch=False avoids it."
+                "exchange='collective' avoids it."
             )
         return self.buffer[self.at[name] : self.at[name] + nbytes].view(dtype).view(shape)
 

@@ -1,5 +1,5 @@
 """Dropless expert-parallel dispatch within one node through CUDA symmetric memory
-(``MoEConfig.symmetric_memory_dispatch``).
+(``Execution(exchange="symmetric_memory")``).
 
 Legend: T tokens on this rank, H hidden size, K experts per token, E global experts, D ranks of
 the expert-parallel group, L = E / D experts per rank, N = T * K routed pairs on this rank, M rows
@@ -22,7 +22,7 @@ Every rank only ever writes its own buffer; remote memory is only read.
 Same numbers as the all-to-all dispatcher, bit for bit (``tests/gpu``). One host read per layer,
 like it: the gathered counts ``C``, which size ``M`` and the buffer.
 
-With a row budget (``MoEConfig.max_tokens_per_rank = R``) the plan is static and there is no host
+With a row budget (``Execution(row_budget=R)``) the plan is static and there is no host
 read at all: every rank's ``M`` is padded to ``R`` rows (a padding row has source ``-1``: no kernel
 reads or writes it, and the grouped GEMMs stop at the last expert's offset), the buffer is sized
 from ``R`` alone, and the host can queue layer after layer without waiting for the GPU. A layer
@@ -163,8 +163,8 @@ class SymmetricMemoryDispatcher:
         backend = dist.get_backend(group)
         if backend != "nccl":
             raise ValueError(
-                f"MoEConfig.symmetric_memory_dispatch=True needs CUDA GPUs in an NCCL process group, got the "
-                f"{backend!r} backend; set symmetric_memory_dispatch=False (the all-to-all dispatcher runs anywhere)."
+                "Execution(exchange='symmetric_memory') needs CUDA GPUs in an NCCL process group, got the "
+                f"{backend!r} backend; use exchange='collective' (the all-to-all runs anywhere)."
             )
         self.group, self.num_experts = group, num_experts
         self.degree, self.rank, self.num_local_experts = expert_layout(num_experts, group)
@@ -202,14 +202,14 @@ class SymmetricMemoryDispatcher:
         capture it (``lightning_ep.moe.graphs``). Also returns the rows received per rank
         ``loads_D`` (int64, device), for ``RowBudget.note``."""
         if self.budget is None:
-            raise ValueError("dispatch_static needs a row budget: MoEConfig(max_tokens_per_rank=...).")
+            raise ValueError("dispatch_static needs a row budget: Execution(row_budget=...).")
         K, R = expert_ids_TK.shape[1], self.budget.budget
         assert R is not None  # an int budget (automatic ones are the padded all-to-all's)
         T, H = x_TH.shape
         if T > R:
             raise ValueError(
-                f"MoEConfig.max_tokens_per_rank={R} is below this rank's {T} tokens; with "
-                "symmetric_memory_dispatch=True it sizes the buffer of every rank's tokens too. Raise it (rows "
+                f"Execution(row_budget={R}) is below this rank's {T} tokens; with "
+                "exchange='symmetric_memory' it sizes the buffer of every rank's tokens too. Raise it (rows "
                 f"arriving at a rank's experts average tokens x top_k = {T * K} here)."
             )
         workspace = SymmetricWorkspace.of(self.group, x_TH.device)

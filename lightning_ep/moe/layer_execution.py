@@ -1,0 +1,83 @@
+"""``LayerExecution``: how the MoE layers carry out their dispatch, experts and combine, never what
+they compute; one frozen record that ``transform`` and ``make_dispatcher`` take.
+
+``lightning_ep.Execution`` (``"auto"`` choices, resolved by the strategy) resolves to one
+(``Resolved.layers``); a model transformed by hand takes one directly. Every field is a concrete
+choice; ``check`` refuses one that cannot apply to a ``MoEConfig`` at a degree, naming the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_ep.moe.config import MoEConfig
+
+LayerExchange = Literal["collective", "symmetric_memory"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerExecution:
+    """The choices the MoE layers are built with (``lightning_ep.execution`` says what each does).
+
+    Args:
+        cuda_graphs: replay each layer's dispatch, experts and combine as CUDA graphs
+            (``lightning_ep.moe.graphs``). Needs a static plan: degree 1, or the symmetric-memory
+            exchange with an int ``row_budget``.
+        exchange: ``"collective"`` (the process group's all-to-all or all-gather) or
+            ``"symmetric_memory"`` (pulls over NVLink; ``lightning_ep.moe.dispatch.symmetric``).
+        token_dedup: each token sent once per destination rank (``lightning_ep.moe.dispatch.dedup``).
+        row_budget: the static rows received per rank: an int, or ``"auto"`` for the padded
+            all-to-all sized from the first step; ``None``: the dynamic plan.
+    """
+
+    cuda_graphs: bool = False
+    exchange: LayerExchange = "collective"
+    token_dedup: bool = False
+    row_budget: int | Literal["auto"] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cuda_graphs", "token_dedup"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LayerExecution({name}={getattr(self, name)!r}): pass True or False.")
+        if self.exchange not in ("collective", "symmetric_memory"):
+            raise ValueError(f"LayerExecution(exchange={self.exchange!r}): pass 'collective' or 'symmetric_memory'.")
+        budget = self.row_budget
+        number = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
+        if budget is not None and budget != "auto" and not number:
+            raise ValueError(f"LayerExecution(row_budget={budget!r}): pass an int >= 1, 'auto' or None.")
+        symmetric = self.exchange == "symmetric_memory"
+        if symmetric and budget == "auto":
+            raise ValueError(
+                "row_budget='auto' sizes the padded all-to-all; the symmetric-memory exchange takes an int."
+            )
+        if self.token_dedup and (symmetric or budget is not None):
+            raise ValueError(
+                f"token_dedup=True deduplicates the dynamic collective all-to-all, but exchange={self.exchange!r}, "
+                f"row_budget={budget!r}; pass one of them."
+            )
+
+    def check(self, config: MoEConfig, degree: int) -> None:
+        """Refuse choices that cannot apply to ``config``'s layers at expert-parallel ``degree``."""
+        dropless_a2a = config.capacity_factor is None and config.moe_all_to_all_dispatcher
+        exchange_choices = self.exchange != "collective" or self.token_dedup or self.row_budget is not None
+        if exchange_choices and (degree == 1 or not dropless_a2a):
+            raise ValueError(
+                f"Execution(exchange={self.exchange!r}, token_dedup={self.token_dedup}, "
+                f"row_budget={self.row_budget!r}) changes the dropless all-to-all between expert-parallel ranks, "
+                f"but degree={degree}, capacity_factor={config.capacity_factor}, moe_all_to_all_dispatcher="
+                f"{config.moe_all_to_all_dispatcher}; leave them at their defaults here."
+            )
+        if self.cuda_graphs and config.capacity_factor is not None:
+            raise ValueError(
+                "Execution(cuda_graphs=True) captures a dropless dispatch, but capacity_factor="
+                f"{config.capacity_factor}; set capacity_factor=None, or cuda_graphs=False."
+            )
+        static = self.exchange == "symmetric_memory" and isinstance(self.row_budget, int)
+        if self.cuda_graphs and degree > 1 and not static:
+            raise ValueError(
+                f"Execution(cuda_graphs=True) at expert-parallel degree {degree} captures the static plan of the "
+                f"symmetric-memory exchange, but exchange={self.exchange!r}, row_budget={self.row_budget!r}; pass "
+                "exchange='symmetric_memory' and an int row_budget (about 1.25-1.6 x tokens per rank x top_k), "
+                "or cuda_graphs=False."
+            )
