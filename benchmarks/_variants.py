@@ -9,8 +9,6 @@ from typing import Any
 
 import torch
 
-from lightning_ep import step_checks
-from lightning_ep import strategy as strategy_module
 from lightning_ep.models import causal_mask
 from lightning_ep.moe import GroupedExperts, MoELayer, RoutedExperts
 from lightning_ep.moe.dispatch import all_to_all as dispatch_ep
@@ -23,6 +21,8 @@ from lightning_ep.moe.kernels import swiglu
 from lightning_ep.moe.routing import router
 from lightning_ep.parallel import compile as compiling
 from lightning_ep.parallel import fsdp
+from lightning_ep.strategy import expert_parallel as strategy_module
+from lightning_ep.strategy import step_checks
 
 VARIANTS = (
     "fast",
@@ -159,7 +159,7 @@ def variant(name: str) -> Iterator[None]:
       expert (``GroupedExperts.per_expert_min_gflop = None``);
     - ``root-head``: the output projection stays in the root's FSDP2 unit (``shard_model``), not
       in one of its own;
-    - ``eager-loss``: ``compile_layers`` / ``+compile`` leave the loss function eager;
+    - ``eager-loss``: ``Execution(compile=True)`` / ``+compile`` leave the loss function eager;
     - ``eager-head``: they leave the output projection and the final norm eager (``compile_head``);
     - ``eager-norm``: they leave the final norm before it eager (``compile_final_norm``);
     - ``dedup``: nothing patched here; ``bench_layer`` sets the all-to-all dispatcher's ``dedup``
@@ -183,7 +183,7 @@ def variant(name: str) -> Iterator[None]:
       Triton kernel (``lightning_ep.moe.kernels.cast``; bf16-mixed with the experts outside FSDP2);
     - ``device-logging``: the MoE losses logged as device tensors, which Lightning reads back for
       the progress bar at every batch end (the non-finite flags still read from their host copy),
-      not as the CPU tensors copied after each forward (``lightning_ep.step_checks``);
+      not as the CPU tensors copied after each forward (``lightning_ep.strategy.step_checks``);
     - ``unrouted-graphs``: the CUDA graphs start at the dispatch at degree 1 too, the routing run
       before them by the host (``MoELayer._graphs_take_routing``);
     - ``hf-mask``: every forward builds its attention mask through Hugging Face's

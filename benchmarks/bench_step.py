@@ -153,7 +153,7 @@ def make_module(
                     from lightning_ep.parallel import compile as compiling
 
                     compiling.compile_blocks(decoder_layers(model))
-                    compiling.compile_loss(model)  # as compile_layers=True does
+                    compiling.compile_loss(model)  # as Execution(compile=True) does
                     compiling.compile_head(model)
             self.model = model
 

@@ -8,8 +8,7 @@ registry is loaded.
 
 from typing import Any
 
-from lightning_ep._register import register_when_lightning_loads
-from lightning_ep.execution import Execution
+from lightning_ep.execution.choices import Execution
 from lightning_ep.models.freeze import freeze_routers
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
@@ -17,6 +16,7 @@ from lightning_ep.moe.layer_execution import LayerExecution
 from lightning_ep.parallel.fsdp import shard_model
 from lightning_ep.parallel.grad_norm import clip_grad_norm_
 from lightning_ep.parallel.mesh import init_mesh
+from lightning_ep.strategy.registration import register_when_lightning_loads
 from lightning_ep.transform import moe_layers, transform
 
 __all__ = [
@@ -35,7 +35,10 @@ __all__ = [
 ]
 __version__ = "0.1.0.dev0"
 
-_LAZY = {"ExpertParallelStrategy": "lightning_ep.strategy", "MoEMonitor": "lightning_ep.callbacks"}
+_LAZY = {
+    "ExpertParallelStrategy": "lightning_ep.strategy.expert_parallel",
+    "MoEMonitor": "lightning_ep.monitor.callback",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_ep.checkpoints import read_record
+from lightning_ep.checkpoint.records import read_record
 from lightning_ep.models.hf_export import export_hf
 from lightning_ep.models.lora_export import export_lora_adapter
 

@@ -21,7 +21,14 @@ import sys
 import traceback
 
 #: Imported before the fork: what every training script of the tests imports.
-PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "transformers", "lightning_ep", "lightning_ep.strategy")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "lightning.pytorch",
+    "transformers",
+    "lightning_ep",
+    "lightning_ep.strategy.expert_parallel",
+)
 
 
 def _option(argv: list[str], name: str) -> tuple[str, list[str]]:

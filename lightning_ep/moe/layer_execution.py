@@ -18,7 +18,7 @@ LayerExchange = Literal["collective", "symmetric_memory"]
 
 @dataclass(frozen=True, kw_only=True)
 class LayerExecution:
-    """The choices the MoE layers are built with (``lightning_ep.execution`` says what each does).
+    """The choices the MoE layers are built with (``lightning_ep.execution.choices`` says what each does).
 
     Args:
         cuda_graphs: replay each layer's dispatch, experts and combine as CUDA graphs

@@ -67,12 +67,3 @@ def valid_layouts(world: int, num_experts: int, *, gpus_per_node: int = 8) -> li
                     Layout(world=world, degree=degree, replicate_degree=replicate, gpus_per_node=gpus_per_node)
                 )
     return layouts
-
-
-def check_for_model(layout: Layout, num_experts: int) -> None:
-    """The transform's rule: ``layout.degree`` divides ``num_experts`` (``ValueError`` with the choices)."""
-    if num_experts % layout.degree:
-        valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0 and layout.shard % d == 0]
-        raise ValueError(
-            f"degree={layout.degree} does not divide the number of experts {num_experts}; choose one of {valid}."
-        )

@@ -8,7 +8,7 @@ What the strategy holds, and so what is counted:
   ``s*c .. s*c+c-1``, ``c = ceil(n / S)``, so rank 0 holds the most); an expert weight keeps its
   ``E / d`` experts of the ``ep`` axis and, when FSDP2 wraps the experts (``R x edp > 1``), is split
   on dim 1 over the ``edp`` ranks.
-- Precision (``lightning_ep.execution_setup.fsdp_options`` and Lightning's plugins): ``32-true`` and
+- Precision (``lightning_ep.execution.environment.fsdp_options`` and Lightning's plugins): ``32-true`` and
   ``bf16-mixed`` keep fp32 parameters (``bf16-mixed`` computes in bf16 under autocast, FSDP2
   gathering bf16 copies), ``bf16-true`` keeps bf16 ones; gradients take the parameters' dtype.
 - AdamW (torch's, or ``lightning_ep.optim.AdamW``): ``exp_avg`` and ``exp_avg_sq`` like each

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ep.callbacks import STAT_NAMES, MoELoadMetric, MoEMonitor
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
+from lightning_ep.monitor.callback import STAT_NAMES, MoELoadMetric, MoEMonitor
 
 H, I, E, K = 64, 32, 8, 2  # noqa: E741 (shape letters)
 LAYERS = 2

@@ -253,7 +253,7 @@ def run_step_checks_stop_an_over_budget_step(rank: int, world: int) -> None:
     from workers import BATCH, SEQ, _skew_router, micro_batch, tiny_mixtral
 
     import lightning_ep
-    from lightning_ep.step_checks import StepChecks
+    from lightning_ep.strategy.step_checks import StepChecks
 
     device = torch.device("cuda", rank)
     mesh = lightning_ep.init_mesh(world, device_type="cuda")

@@ -1,5 +1,5 @@
 """On CUDA: decoder layers compiled around their MoE layers, and the loss (``compile_for_training``,
-the path ``ExpertParallelStrategy(compile_layers=True)`` takes) compute what the eager ones do.
+the path ``Execution(compile=True)`` takes) compute what the eager ones do.
 
 The CPU twin is ``tests/unit/test_compile.py``. On CUDA inductor emits Triton kernels whose fp32
 reductions are ordered differently from ATen's, so losses and gradients agree to float rounding

@@ -76,7 +76,7 @@ def test_pad_content_changes_nothing_on_cuda(moe: dict) -> None:
 
 
 def test_compiled_routing_follows_changing_token_counts() -> None:
-    """``compile_routing`` (what ``compile_layers=True`` compiles in each MoE layer) on padded batches whose
+    """``compile_routing`` (what ``Execution(compile=True)`` compiles in each MoE layer) on padded batches whose
     number of real tokens changes from call to call gives the eager routing's losses and gradients."""
     torch._dynamo.reset()
     eager = _model(moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.01)

@@ -392,7 +392,7 @@ def main() -> None:
     parser.add_argument("--slow-save-from", type=int, default=None)
     parser.add_argument("--poison-step", type=int, default=-1)
     parser.add_argument("--deterministic", action="store_true")
-    parser.add_argument("--compile", action="store_true", help="ExpertParallelStrategy(compile_layers=True)")
+    parser.add_argument("--compile", action="store_true", help="Execution(compile=True)")
     parser.add_argument(
         "--single-rank-fsdp", choices=["auto", "off"], default="auto", help="Execution(single_rank_fsdp=)"
     )

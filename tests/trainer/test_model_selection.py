@@ -1,4 +1,4 @@
-"""Which parts of a LightningModule the strategy parallelises (``lightning_ep.model_selection``),
+"""Which parts of a LightningModule the strategy parallelises (``lightning_ep.strategy.model_selection``),
 through the real Trainer on one process: two MoE models (a policy and a frozen reference), a value
 head beside the model, and the refusals. The 4-rank equality with data parallelism of a value head
 and a frozen model is ``tests/trainer/test_strategy.py::test_value_head_and_frozen_model_match_reference``.

@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 from test_strategy import FORKRUN
 
-from lightning_ep.callbacks import STAT_NAMES
-from lightning_ep.monitor_plots import PLOT_SIZE_PX
+from lightning_ep.monitor.callback import STAT_NAMES
+from lightning_ep.monitor.plots import PLOT_SIZE_PX
 
 WORKER = Path(__file__).with_name("monitor_fit_worker.py")
 LAYERS, E, K = 2, 8, 2

@@ -18,7 +18,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from lightning_ep import ExpertParallelStrategy, MoEConfig, moe_layers
-from lightning_ep.execution_adamw import KERNEL_ADAMW, TORCH_ADAMW
+from lightning_ep.execution.adamw import KERNEL_ADAMW, TORCH_ADAMW
 from lightning_ep.optim import AdamW
 
 STEPS = 3

@@ -10,7 +10,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from lightning_ep import Execution, ExpertParallelStrategy, MoEConfig
-from lightning_ep.execution import Environment, resolve
+from lightning_ep.execution.choices import Environment, resolve
 
 
 class Module(LightningModule):
@@ -176,7 +176,7 @@ def test_smp_moe_false_trains_the_models_own_blocks(single_process) -> None:
     assert any(isinstance(m, MixtralSparseMoeBlock) for m in module.model.modules())
 
 
-def test_compile_layers_with_the_models_own_blocks(single_process) -> None:
+def test_compile_with_the_models_own_blocks(single_process) -> None:
     """With ``smp_moe=False`` the decoder layers' children, the model's own MoE block included, are
     compiled; the first step's loss is the eager model's to float rounding."""
     from conftest import rel_err
@@ -194,7 +194,7 @@ def test_compile_layers_with_the_models_own_blocks(single_process) -> None:
     expected = reference(input_ids=data[:2], labels=data[:2], use_cache=False).loss
     module = Recording(_mixtral)
     strategy = ExpertParallelStrategy(
-        "auto", moe=MoEConfig(smp_moe=False), compile_layers=True, process_group_backend="gloo"
+        "auto", moe=MoEConfig(smp_moe=False), execution=Execution(compile=True), process_group_backend="gloo"
     )
     trainer = Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
@@ -218,7 +218,6 @@ def test_compile_layers_with_the_models_own_blocks(single_process) -> None:
         ({"degree": 0}, ValueError, r"degree=0\): pass an int >= 1 .* or 'auto'"),
         ({"degree": "three"}, ValueError, r"degree='three'\): pass an int >= 1"),
         ({"replicate_degree": 0}, ValueError, r"replicate_degree=0\): pass an int >= 1"),
-        ({"compile_layers": "yes"}, TypeError, r"compile_layers='yes'\): pass True or False"),
         (
             {"timeout": 30},
             TypeError,
@@ -257,7 +256,7 @@ def test_constructor_arguments(kwargs: dict, error: type, message: str) -> None:
             "keep_all_to_all",
             2,
             r"ExpertParallelStrategy\(activation_checkpointing='keep_all_to_all'\) keeps the collective all-to-all's "
-            r"exchanges, but Execution\(exchange='symmetric_memory', token_dedup='auto'\); use the defaults, or "
+            r"exchanges, but Execution\(exchange='symmetric_memory'\); use exchange='auto', or "
             r"activation_checkpointing=True\.",
         ),
         (
@@ -270,7 +269,7 @@ def test_constructor_arguments(kwargs: dict, error: type, message: str) -> None:
             Execution(exchange="symmetric_memory", row_budget=1024, cuda_graphs=True),
             True,
             2,
-            r"Execution\(row_budget=1024\) reruns a training step over budget before its backward, but activation "
+            r"Execution\(row_budget=1024\) reruns a forward over budget before its backward, but activation "
             r"checkpointing \(True\) recomputes the layers inside the backward",
         ),
     ],

@@ -1,4 +1,4 @@
-"""``compile_blocks`` / ``ExpertParallelStrategy(compile_layers=True)`` against eager, one process.
+"""``compile_blocks`` / ``Execution(compile=True)`` against eager, one process.
 
 Decoder layers with compiled dense parts must compute what the eager ones do: inductor fuses the
 RMSNorms' fp32 reductions and the rotary arithmetic, which reorders float sums, so fp32 losses and

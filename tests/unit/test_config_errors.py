@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lightning_ep.config_errors import ErrorOnOtherRank, shown_once
+from lightning_ep.strategy.errors import ErrorOnOtherRank, shown_once
 
 NOTE = r"^\[rank 3\] ValueError: a configuration error, shown in full by rank 0\.$"
 
@@ -48,7 +48,7 @@ def test_other_error_types_pass_unchanged() -> None:
 
 def test_uncaught_on_another_rank_it_exits_1_with_one_line_and_no_traceback() -> None:
     code = (
-        "from lightning_ep.config_errors import shown_once\n"
+        "from lightning_ep.strategy.errors import shown_once\n"
         "with shown_once(3, wait_s=0):\n"
         "    raise ValueError('degree=3 does not divide the world size 4')\n"
     )

@@ -14,7 +14,7 @@ from conftest import tiny_mixtral
 
 import lightning_ep
 from lightning_ep import MoEConfig
-from lightning_ep.checkpoints import check_record, make_record, moe_shape, saved_bias_keys
+from lightning_ep.checkpoint.records import check_record, make_record, moe_shape, saved_bias_keys
 from lightning_ep.moe.config import ABSENT, EXECUTION_FIELDS, MOVED_TO_EXECUTION, config_differences
 
 PATH = Path("runs/last.ckpt")

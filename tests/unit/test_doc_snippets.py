@@ -12,7 +12,7 @@ import pytest
 
 import lightning_ep
 from lightning_ep import Execution, ExpertParallelStrategy, LayerExecution, MoEConfig
-from lightning_ep.execution import Environment, resolve
+from lightning_ep.execution.choices import Environment, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]

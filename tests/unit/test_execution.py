@@ -1,4 +1,4 @@
-"""``lightning_ep.execution``: the automatic choices and the setup table are a pure function of the
+"""``lightning_ep.execution.choices``: the automatic choices and the setup table are a pure function of the
 environment, tested here for the environments a user meets; forced choices that cannot apply are
 refused by name; the ``fused_adamw`` row reports what steps the optimizers Lightning set up, and
 forcing it against them is refused."""
@@ -6,15 +6,14 @@ forcing it against them is refused."""
 from __future__ import annotations
 
 import re
-import warnings
 
 import pytest
 import torch
 
 from lightning_ep import Execution, LayerExecution, MoEConfig
-from lightning_ep.execution import Environment, Resolved, resolve, with_optimizers
-from lightning_ep.execution_adamw import KERNEL_ADAMW, TORCH_ADAMW
-from lightning_ep.execution_setup import optimizer_names, with_compile_layers
+from lightning_ep.execution.adamw import KERNEL_ADAMW, TORCH_ADAMW
+from lightning_ep.execution.choices import Environment, Resolved, resolve, with_optimizers
+from lightning_ep.execution.environment import optimizer_names
 
 
 def _env(**overrides: object) -> Environment:
@@ -186,17 +185,6 @@ def test_bad_execution_values(kwargs: dict, error: type[Exception], match: str) 
         Execution(**kwargs)
 
 
-def test_compile_layers_is_deprecated_but_kept() -> None:
-    with pytest.warns(DeprecationWarning, match=r"execution=lightning_ep.Execution\(compile=True\)"):
-        assert with_compile_layers(Execution(), True).compile is True
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert with_compile_layers(Execution(), None).compile == "auto"
-    with pytest.raises(ValueError, match=r"compile_layers=False\) contradicts Execution\(compile=True\)"):
-        with pytest.warns(DeprecationWarning):
-            with_compile_layers(Execution(compile=True), False)
-
-
 ON = "lightning_ep.optim.AdamW: torch's fused AdamW bits, a Triton kernel per large tensor"
 
 
@@ -309,7 +297,7 @@ def test_a_row_budget_pads_the_collective_exchange_and_is_refused_where_it_canno
             resolved = resolve(Execution(row_budget=budget), env, MoEConfig())
             assert _rows(resolved)["row_budget"] == (
                 str(budget),
-                f"{sized}; no host sync; a step over it reruns on the dynamic plan",
+                f"{sized}; no host sync; a forward over it reruns on the dynamic plan",
             )
             assert resolved.layers == LayerExecution(row_budget=budget) and not resolved.symmetric_memory
             assert not resolved.cuda_graphs  # graphs above degree 1 capture the symmetric-memory plan only
@@ -356,7 +344,7 @@ def test_expert_elements_reads_the_model_on_the_meta_device() -> None:
     from conftest import tiny_mixtral_config
     from transformers import MixtralForCausalLM
 
-    from lightning_ep.execution_setup import expert_elements
+    from lightning_ep.execution.environment import expert_elements
 
     config = tiny_mixtral_config(hidden_size=64, intermediate_size=48)
     with torch.device("meta"):

@@ -142,3 +142,23 @@ def test_no_module_is_over_600_lines():
         if (n := len(path.read_text().splitlines())) > 600
     }
     assert long == {}
+
+
+def test_only_the_lightning_packages_import_lightning():
+    """``strategy/``, ``monitor/`` and ``checkpoint/`` are the Lightning side; every other module of the
+    library runs without Lightning (``execution/`` names the strategy for type checking only)."""
+    lightning = re.compile(r"^\s*(?:import|from)\s+(?:lightning|lightning_fabric|pytorch_lightning)(?:\.|\s|,|$)", re.M)
+    sides = ("strategy", "monitor", "checkpoint")
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] not in sides and lightning.search(path.read_text())
+    ]
+    assert offenders == []
+    assert {p.name for p in PACKAGE.iterdir() if p.suffix == ".py"} <= {
+        "__init__.py",
+        "transform.py",
+        "export.py",
+        "optim.py",
+        "param_groups.py",
+    }

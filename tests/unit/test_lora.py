@@ -180,7 +180,7 @@ def test_pretrained_weights_load_into_a_peft_wrapped_model(tmp_path: Path, model
 def test_expert_lora_ranks_seen_before_and_after_transform() -> None:
     """The setup reads the experts' LoRA ranks off PEFT's wrappers or off the transformed experts
     (the automatic CUDA graphs need multiples of 8); attention-only LoRA has none."""
-    from lightning_ep.execution_setup import expert_lora_ranks
+    from lightning_ep.execution.environment import expert_lora_ranks
 
     peft_model = tiny_peft("mixtral", r=4)
     assert expert_lora_ranks(peft_model) == (4,)

@@ -25,10 +25,10 @@ from PIL import Image
 from torch import nn
 
 import lightning_ep
-from lightning_ep.callbacks import STAT_NAMES, MoELoadMetric, MoEMonitor
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
 from lightning_ep.moe.routing.route import mean_entropy
-from lightning_ep.monitor_plots import PLOT_SIZE_PX, heatmap_figure, imbalance_figure, normalised_load
+from lightning_ep.monitor.callback import STAT_NAMES, MoELoadMetric, MoEMonitor
+from lightning_ep.monitor.plots import PLOT_SIZE_PX, heatmap_figure, imbalance_figure, normalised_load
 
 H, I, E, K = 64, 32, 8, 2  # noqa: E741 (shape letters)
 
@@ -191,7 +191,7 @@ def test_top_level_export_is_lazy():
     code = (
         "import json, sys\n"
         "import lightning_ep\n"
-        "heavy = ('lightning_ep.callbacks', 'lightning', 'matplotlib', 'torchmetrics')\n"
+        "heavy = ('lightning_ep.monitor.callback', 'lightning', 'matplotlib', 'torchmetrics')\n"
         "print(json.dumps(sorted(m for m in sys.modules if m in heavy)))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -254,7 +254,7 @@ def test_monitor_statistics_leave_out_padding() -> None:
     """``MoEMonitor``'s window (``MoELoadMetric`` fed the layers' values, as the callback does) counts the
     real tokens only: a padded call and the same call with its padding cut off give the same counts,
     dead experts and dropped fraction."""
-    from lightning_ep.callbacks import MoELoadMetric
+    from lightning_ep.monitor.callback import MoELoadMetric
 
     model = lightning_ep.transform(tiny_mixtral(), MoEConfig(moe_load_balancing="none", capacity_factor=0.5)).eval()
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))

@@ -4,7 +4,8 @@ Legend: T tokens on this rank, H hidden size, K experts per token, E global expe
 expert-parallel group, L = E / D experts held per rank, N = T * K routed rows on this rank, M rows
 received for the local experts.
 
-Every dispatcher has the same two-call interface, and keeps no state between calls:
+Every dispatcher has the same two-call interface; what one call's ``combine`` needs travels in its
+``Dispatched``, and what a dispatcher keeps between calls (a row budget, a kept exchange) it says:
 
     dispatched = dispatcher.dispatch(x_TH, expert_ids_TK)     # rows grouped by local expert
     y_MH = experts(dispatched.x_MH, dispatched.counts_L)
@@ -58,11 +59,6 @@ class Dispatched:
         self.counts_host = counts_host
         self.tokens_per_expert_E = tokens_per_expert_E
         self.state = state if state is not None else {}
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether the rows are still travelling (``x_MH`` not read yet)."""
-        return self._arrive is not None
 
     @property
     def x_MH(self) -> torch.Tensor:

@@ -8,7 +8,7 @@ the note decides what happens:
 
 - ``check`` raises (the plan's own guard, outside ``ExpertParallelStrategy``);
 - ``take_excess`` returns the loads without raising: under ``ExpertParallelStrategy`` the step then
-  runs again with the layers over budget on their dynamic plan (``lightning_ep.budget_fallback``),
+  runs again with the layers over budget on their dynamic plan (``lightning_ep.strategy.budget_fallback``),
   and an automatic budget grows to fit (``grow``).
 """
 

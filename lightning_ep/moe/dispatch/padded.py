@@ -13,7 +13,7 @@ their order and the arithmetic are the dynamic plan's, so the numbers are the sa
 A source that routes more than ``C`` pairs to one rank in a layer overflows: its pairs past ``C``
 are left out of that layer's output. ``RowBudget`` notes the loads on the device (the counts are
 gathered on every rank, so every rank notes the same); under ``ExpertParallelStrategy`` the step is
-then run again with that layer on the dynamic plan (``lightning_ep.budget_fallback``).
+then run again with that layer on the dynamic plan (``lightning_ep.strategy.budget_fallback``).
 
 Cost: ``D * C`` rows per exchange instead of the rows routed: an automatic budget is ``HEADROOM``
 times the largest source-to-rank load times ``D``, so at least ``HEADROOM`` times the routed rows, more

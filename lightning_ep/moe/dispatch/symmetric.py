@@ -29,7 +29,7 @@ from ``R`` alone, and the host can queue layer after layer without waiting for t
 whose rows exceed ``R`` on some rank leaves the excess out; ``RowBudget``
 (``lightning_ep.moe.dispatch.budget``) notes it on the device and raises at the next dispatch that
 finds the note on the host. Under ``ExpertParallelStrategy`` that training forward runs again
-instead, with the layer on the dynamic plan (``dynamic``; ``lightning_ep.budget_fallback``).
+instead, with the layer on the dynamic plan (``dynamic``; ``lightning_ep.strategy.budget_fallback``).
 """
 
 from __future__ import annotations

@@ -1,40 +1,20 @@
-"""``ExpertParallelStrategy``'s side of ``lightning_ep.execution``: what the strategy sees, and the
+"""``ExpertParallelStrategy``'s side of ``lightning_ep.execution.choices``: what the strategy sees, and the
 names of the optimizers whose kernels the table reports."""
 
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
-from lightning_ep.execution import Environment, Execution, Resolved, resolve
-from lightning_ep.execution_adamw import KERNEL_ADAMW
+from lightning_ep.execution.adamw import KERNEL_ADAMW
+from lightning_ep.execution.choices import Environment, Resolved, resolve
 
 if TYPE_CHECKING:
-    from lightning_ep.strategy import ExpertParallelStrategy
-
-
-def with_compile_layers(execution: Execution, compile_layers: bool | None) -> Execution:
-    """``execution`` with the deprecated ``compile_layers`` argument folded in (``None``: not given)."""
-    if compile_layers is None:
-        return execution
-    warnings.warn(
-        "ExpertParallelStrategy(compile_layers=...) is deprecated; pass execution=lightning_ep.Execution("
-        f"compile={compile_layers}) (or leave it out: compile='auto' compiles on CUDA).",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    if execution.compile not in ("auto", compile_layers):
-        raise ValueError(
-            f"ExpertParallelStrategy(compile_layers={compile_layers}) contradicts Execution(compile="
-            f"{execution.compile}); set it in one place (Execution)."
-        )
-    return replace(execution, compile=compile_layers)
+    from lightning_ep.strategy.expert_parallel import ExpertParallelStrategy
 
 
 def environment(strategy: ExpertParallelStrategy, hf_model: nn.Module | None = None) -> Environment:

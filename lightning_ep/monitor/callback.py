@@ -27,10 +27,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_ep.moe.layer import MoELayer
-from lightning_ep.monitor_metric import STAT_NAMES, MoELoadMetric
-from lightning_ep.monitor_plots import DPI as _DPI
-from lightning_ep.monitor_plots import heatmap_figure, imbalance_figure, normalised_load
-from lightning_ep.monitor_plots import rgb as _rgb
+from lightning_ep.monitor.metric import STAT_NAMES, MoELoadMetric
+from lightning_ep.monitor.plots import DPI as _DPI
+from lightning_ep.monitor.plots import heatmap_figure, imbalance_figure, normalised_load
+from lightning_ep.monitor.plots import rgb as _rgb
 from lightning_ep.transform import moe_layers
 
 if TYPE_CHECKING:

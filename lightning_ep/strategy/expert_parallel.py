@@ -25,11 +25,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_ep import checkpoints
-from lightning_ep.config_errors import shown_once
-from lightning_ep.execution import Execution, Resolved, with_optimizers
-from lightning_ep.execution_setup import fsdp_options, optimizer_names, resolve_for, with_compile_layers
-from lightning_ep.model_selection import num_experts, select
+from lightning_ep.checkpoint import records as checkpoints
+from lightning_ep.execution.choices import Execution, Resolved, with_optimizers
+from lightning_ep.execution.environment import fsdp_options, optimizer_names, resolve_for
 from lightning_ep.models.causal_mask import separate_packed_documents
 from lightning_ep.models.init import materialize_if_meta
 from lightning_ep.moe.config import MoEConfig
@@ -45,8 +43,10 @@ from lightning_ep.parallel.fsdp import (
     shard_named_blocks,
 )
 from lightning_ep.parallel.mesh import check_layout, init_mesh
-from lightning_ep.step_checks import StepChecks, mesh_aware
-from lightning_ep.strategy_args import check_arguments, check_can_checkpoint, check_devices, check_precision
+from lightning_ep.strategy.arguments import check_arguments, check_can_checkpoint, check_devices, check_precision
+from lightning_ep.strategy.errors import shown_once
+from lightning_ep.strategy.model_selection import num_experts, select
+from lightning_ep.strategy.step_checks import StepChecks, mesh_aware
 from lightning_ep.transform import check_config_in_force, check_execution_in_force, moe_layers, transform
 
 if TYPE_CHECKING:
@@ -81,10 +81,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         execution: how the step runs, never what it computes (``lightning_ep.Execution``): compiled
             dense parts, CUDA graphs, the token exchange, fused AdamW. Every choice is automatic by
             default and printed once at setup on rank 0 in a short table; force one there.
-        compile_layers: deprecated; ``execution=Execution(compile=...)`` (``lightning_ep.execution``).
         save_distributed_checkpoint: ``True`` saves one shard per rank (resumable at any degree);
             ``False`` gathers a single full checkpoint on rank 0. Either records ``moe`` and the MoE
-            shape (experts, top-k, MoE layers, model type; see ``lightning_ep.checkpoints``).
+            shape (experts, top-k, MoE layers, model type; see ``lightning_ep.checkpoint.records``).
         allow_moe_config_change: ``MoEConfig`` fields (``["moe_load_balancing"]`` to switch balancing
             for the next phase) or MoE shape entries (``num_experts``, ``top_k``, ``num_moe_layers``,
             ``model_type``) that may differ from a resumed checkpoint's record; any other difference is
@@ -102,11 +101,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         timeout: collective timeout (a ``datetime.timedelta``).
         moe_model: attribute path of the Hugging Face MoE model to parallelise (``"model"``,
             ``"policy"``) when the module holds several; the others stay frozen and whole, trainable
-            modules outside them are FSDP2-sharded (``lightning_ep.model_selection``).
+            modules outside them are FSDP2-sharded (``lightning_ep.strategy.model_selection``).
         plan_batch: ``(micro_batch, seq)`` per GPU that ``degree="auto"`` plans the memory for.
 
     A configuration error is raised in full on rank 0 and as a one-line note on the other ranks
-    (``lightning_ep.config_errors``); ``degree`` and the precision are checked against the
+    (``lightning_ep.strategy.errors``); ``degree`` and the precision are checked against the
     Trainer's ``devices``, ``num_nodes`` and ``precision`` inside ``Trainer(...)`` already.
     """
 
@@ -119,7 +118,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         activation_checkpointing: bool | Literal["keep_all_to_all"] = False,
         reshard_after_forward: bool | None = None,
         execution: Execution | None = None,
-        compile_layers: bool | None = None,
         save_distributed_checkpoint: bool = True,
         allow_moe_config_change: str | Sequence[str] = (),
         log_moe_losses: bool = True,
@@ -146,7 +144,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 replicate_degree=replicate_degree,
                 moe=moe,
                 activation_checkpointing=activation_checkpointing,
-                compile_layers=compile_layers,
                 execution=execution,
                 tensor_parallel_size=tensor_parallel_size,
                 timeout=timeout,
@@ -161,7 +158,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.allow_moe_config_change = allowed
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
-        self.execution = with_compile_layers(execution if execution is not None else Execution(), compile_layers)
+        self.execution = execution if execution is not None else Execution()
         self.resolved: Resolved | None = None  # set at setup
         self.log_moe_losses = log_moe_losses
         self.check_finite = check_finite
@@ -285,7 +282,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         """Lightning's plugin for the Trainer's precision, as its subclass that clips gradients across
-        meshes (``lightning_ep.step_checks.mesh_aware``)."""
+        meshes (``lightning_ep.strategy.step_checks.mesh_aware``)."""
         ModelParallelStrategy.precision_plugin.fset(self, None if plugin is None else mesh_aware(plugin))  # type: ignore[attr-defined]
 
     def _parameter_dtype(self) -> torch.dtype:
@@ -354,7 +351,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
         A process killed mid-save leaves the previous checkpoint untouched and a ``.partial`` folder
         (or file) that ``load_checkpoint`` refuses by name. The checkpoint records ``moe`` and the MoE
-        shape, which ``load_checkpoint`` checks before restoring any weight (``lightning_ep.checkpoints``).
+        shape, which ``load_checkpoint`` checks before restoring any weight (``lightning_ep.checkpoint.records``).
         """
         path = Path(self.broadcast(str(filepath)))
         partial = checkpoints.partial_path(path)

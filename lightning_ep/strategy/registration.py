@@ -19,7 +19,7 @@ NAME = "expert_parallel"
 
 def _make_strategy(**kwargs: Any) -> Any:
     # Imported on use: the registry may be filled while Lightning itself is still importing.
-    from lightning_ep.strategy import ExpertParallelStrategy
+    from lightning_ep.strategy.expert_parallel import ExpertParallelStrategy
 
     return ExpertParallelStrategy(**kwargs)
 

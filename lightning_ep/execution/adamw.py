@@ -3,7 +3,7 @@ optimizers Lightning set up, and the refusal of an ``Execution(fused_adamw=...)`
 
 Only an optimizer constructed as ``lightning_ep.optim.AdamW`` has the kernels; the strategy never
 changes the optimizer ``configure_optimizers`` returns, so the row reports, it does not choose. The
-optimizers arrive by name (``lightning_ep.execution_setup.optimizer_names``), so this stays a pure
+optimizers arrive by name (``lightning_ep.execution.environment.optimizer_names``), so this stays a pure
 function, tested for any device on CPU.
 """
 

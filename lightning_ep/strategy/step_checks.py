@@ -16,10 +16,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from lightning_ep.budget_fallback import BudgetFallback
 from lightning_ep.moe.dispatch.host import HostCopy
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.grad_norm import clip_grad_norm_
+from lightning_ep.strategy.budget_fallback import BudgetFallback
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from lightning_ep.execution import Execution
+from lightning_ep.execution.choices import Execution
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.parallel.mesh import check_layout
 
@@ -23,7 +23,6 @@ def check_arguments(
     replicate_degree: Any,
     moe: Any,
     activation_checkpointing: Any,
-    compile_layers: Any,
     tensor_parallel_size: Any,
     execution: Any = None,
     timeout: Any,
@@ -51,8 +50,6 @@ def check_arguments(
             "own MoE blocks, which cannot be split across ranks; use degree=1 or smp_moe=True."
         )
     check_activation_checkpointing(activation_checkpointing, moe if moe is not None else MoEConfig())
-    if compile_layers is not None and not isinstance(compile_layers, bool):
-        raise TypeError(f"ExpertParallelStrategy(compile_layers={compile_layers!r}): pass True or False.")
     if execution is not None and not isinstance(execution, Execution):
         raise TypeError(
             f"ExpertParallelStrategy(execution=...) must be a lightning_ep.Execution, got {type(execution).__name__}."

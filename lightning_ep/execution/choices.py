@@ -29,8 +29,8 @@ What each choice does:
 - ``row_budget``: the static size ``R`` of every rank's received rows (no host sync): the padded
   all-to-all (``lightning_ep.moe.dispatch.padded``; ``"auto"`` sizes ``R`` from the first step's
   loads and grows it) or the symmetric-memory exchange (an int). A layer whose routing exceeds ``R``
-  is never an error under ``ExpertParallelStrategy``: that training step runs again with the layer
-  on the dynamic plan (``lightning_ep.budget_fallback``), counted in ``moe/budget_reruns``. ``None``:
+  is never an error under ``ExpertParallelStrategy``: the model's forward runs again with the layer
+  on the dynamic plan (``lightning_ep.strategy.budget_fallback``), counted in ``moe/budget_reruns``. ``None``:
   the dynamic plan (one host sync per layer).
 - ``single_rank_fsdp``: with one rank in all (world size 1), the dense parameters skip FSDP2
   (``lightning_ep.parallel.single_rank``): DTensors on the one-rank mesh whose local tensors the
@@ -42,7 +42,7 @@ What each choice does:
   checkpointing, whose recomputation in backward would read the DTensors. Modules outside the
   model (a value head) keep FSDP2, with the gathered parameters kept from forward to backward and
   gradients reduced in the parameter dtype.
-- ``fused_adamw``: a report, not a choice (``lightning_ep.execution_adamw``): whether the optimizers
+- ``fused_adamw``: a report, not a choice (``lightning_ep.execution.adamw``): whether the optimizers
   Lightning set up step with ``lightning_ep.optim.AdamW``'s kernels; ``True`` / ``False`` assert it.
 """
 
@@ -51,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
-from lightning_ep.execution_adamw import fused_adamw_row
+from lightning_ep.execution.adamw import fused_adamw_row
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer_execution import LayerExchange, LayerExecution
 
@@ -252,7 +252,7 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
         )
     if budget is not None and env.activation_checkpointing:
         raise ValueError(
-            f"Execution(row_budget={budget!r}) reruns a training step over budget before its backward, but activation "
+            f"Execution(row_budget={budget!r}) reruns a forward over budget before its backward, but activation "
             f"checkpointing ({env.activation_checkpointing!r}) recomputes the layers inside the backward; use "
             "row_budget=None with activation checkpointing."
         )
@@ -261,7 +261,7 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
             value, reason = "dynamic", "one host sync per layer (a static plan: row_budget='auto' or an int)"
         else:
             sized = "sized by the first step, grown to fit" if budget == "auto" else "forced"
-            value, reason = str(budget), f"{sized}; no host sync; a step over it reruns on the dynamic plan"
+            value, reason = str(budget), f"{sized}; no host sync; a forward over it reruns on the dynamic plan"
         rows.append(Choice("row_budget", value, reason))
 
     # token dedup
