@@ -32,14 +32,13 @@ import torch
 from torch import nn
 
 from lightning_ep.models.peft_lora import peft_configs
-from lightning_ep.models.registry import FAMILIES, find_moe_blocks, supported_model_types
+from lightning_ep.models.registry import MoEShape
 from lightning_ep.moe.config import MoEConfig, config_differences
 from lightning_ep.moe.layer import MoELayer
-from lightning_ep.transform import moe_layers
 
 RECORD_KEY = "lightning_ep"
 RECORD_FORMAT = 1
-SHAPE_FIELDS: tuple[str, ...] = ("model_type", "num_experts", "top_k", "num_moe_layers")
+SHAPE_FIELDS = MoEShape.RECORDED
 PARTIAL_SUFFIX = ".partial"
 _METADATA_FILE = "meta.pt"  # where Lightning's ModelParallelStrategy puts a sharded checkpoint's non-tensor state
 
@@ -77,26 +76,8 @@ def refuse_partial(path: Path) -> None:
 
 
 def moe_shape(model: nn.Module) -> dict[str, Any]:
-    """The MoE shape of a Hugging Face model, transformed or not: ``SHAPE_FIELDS`` as a dict
-    (``None`` where a model of an unsupported family does not say)."""
-    hf_config = getattr(model, "config", None)
-    shape: dict[str, Any] = {name: None for name in SHAPE_FIELDS}
-    shape["model_type"] = getattr(hf_config, "model_type", None)
-    layers = moe_layers(model)
-    if layers:
-        shape.update(num_experts=layers[0].num_experts, top_k=layers[0].top_k, num_moe_layers=len(layers))
-        return shape
-    supported_model_types()  # loads the adapters into FAMILIES
-    family = FAMILIES.get(shape["model_type"])
-    blocks = find_moe_blocks(model, family) if family is not None else []
-    if family is not None and blocks:
-        top_k = getattr(hf_config, family.top_k, None)
-        shape.update(
-            num_experts=int(blocks[0][1].get_parameter(family.gate_up_proj).shape[0]),
-            top_k=None if top_k is None else int(top_k),
-            num_moe_layers=len(blocks),
-        )
-    return shape
+    """The MoE shape a checkpoint records for ``model`` (``MoEShape.record``)."""
+    return MoEShape.of(model).record()
 
 
 def make_record(config: MoEConfig, model: nn.Module) -> dict[str, Any]:

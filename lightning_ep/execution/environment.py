@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_ep.execution.adamw import KERNEL_ADAMW
 from lightning_ep.execution.choices import Environment, Resolved, resolve
+from lightning_ep.models.registry import MoEShape
 
 if TYPE_CHECKING:
     from lightning_ep.strategy.expert_parallel import ExpertParallelStrategy
@@ -33,15 +34,8 @@ def environment(strategy: ExpertParallelStrategy, hf_model: nn.Module | None = N
         lora_ranks=expert_lora_ranks(hf_model) if hf_model is not None else (),
         accumulate_grad_batches=_accumulation(strategy),
         reshard_after_forward=strategy.reshard_after_forward,
-        expert_elements=expert_elements(hf_model) if hf_model is not None else 0,
+        expert_elements=MoEShape.of(hf_model).expert_elements if hf_model is not None else 0,
     )
-
-
-def expert_elements(model: nn.Module) -> int:
-    """Elements of one routed expert's gate/up weight (``[E, 2I, H]`` or GPT-OSS's ``[E, H, 2I]``), the
-    largest in ``model`` (meta tensors too); 0 without one."""
-    shapes = [p.shape for name, p in model.named_parameters() if name.endswith("gate_up_proj") and p.ndim == 3]
-    return max((shape[1] * shape[2] for shape in shapes), default=0)
 
 
 def _accumulation(strategy: ExpertParallelStrategy) -> int:

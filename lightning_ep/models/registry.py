@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -262,3 +262,44 @@ def replace_module(root: nn.Module, qualified_name: str, new: nn.Module) -> None
 def _load_adapters() -> None:
     # Importing an adapter module registers it.
     from lightning_ep.models import deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """What a Hugging Face MoE model's MoE layers look like, transformed or not (``None`` where a model of
+    an unsupported family does not say): the one reader of a model's MoE shape, for the checkpoint
+    record (``RECORDED``), ``degree="auto"`` and the execution choices.
+
+    ``expert_elements``: one routed expert's gate/up weight (``[E, 2I, H]`` or GPT-OSS's ``[E, H, 2I]``),
+    the largest in the model, meta tensors too; 0 without one.
+    """
+
+    RECORDED: ClassVar[tuple[str, ...]] = ("model_type", "num_experts", "top_k", "num_moe_layers")
+
+    model_type: str | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    num_moe_layers: int | None = None
+    expert_elements: int = 0
+
+    @classmethod
+    def of(cls, model: nn.Module) -> MoEShape:
+        hf_config = getattr(model, "config", None)
+        model_type = getattr(hf_config, "model_type", None)
+        weights = [p.shape for name, p in model.named_parameters() if name.endswith("gate_up_proj") and p.ndim == 3]
+        elements = max((shape[1] * shape[2] for shape in weights), default=0)
+        layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+        if layers:
+            return cls(model_type, layers[0].num_experts, layers[0].top_k, len(layers), elements)
+        supported_model_types()  # loads the adapters into FAMILIES
+        family = FAMILIES.get(model_type) if model_type is not None else None
+        blocks = find_moe_blocks(model, family) if family is not None else []
+        if family is None or not blocks:
+            return cls(model_type, expert_elements=elements)
+        top_k = getattr(hf_config, family.top_k, None)
+        experts = int(blocks[0][1].get_parameter(family.gate_up_proj).shape[0])
+        return cls(model_type, experts, None if top_k is None else int(top_k), len(blocks), elements)
+
+    def record(self) -> dict[str, Any]:
+        """The entries a checkpoint records (``RECORDED``)."""
+        return {name: getattr(self, name) for name in self.RECORDED}

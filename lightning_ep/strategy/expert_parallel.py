@@ -30,6 +30,7 @@ from lightning_ep.execution.choices import Execution, Resolved, with_optimizers
 from lightning_ep.execution.environment import fsdp_options, optimizer_names, resolve_for
 from lightning_ep.models.causal_mask import separate_packed_documents
 from lightning_ep.models.init import materialize_if_meta
+from lightning_ep.models.registry import MoEShape
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.balance import update_biases_after_each_step
@@ -45,7 +46,7 @@ from lightning_ep.parallel.fsdp import (
 from lightning_ep.parallel.mesh import check_layout, init_mesh
 from lightning_ep.strategy.arguments import check_arguments, check_can_checkpoint, check_devices, check_precision
 from lightning_ep.strategy.errors import shown_once
-from lightning_ep.strategy.model_selection import num_experts, select
+from lightning_ep.strategy.model_selection import select
 from lightning_ep.strategy.step_checks import StepChecks, mesh_aware
 from lightning_ep.transform import check_config_in_force, check_execution_in_force, moe_layers, transform
 
@@ -210,8 +211,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         from lightning_ep.plan.auto import auto_degree
 
         ac, cf, n, r = self.activation_checkpointing, self.moe.capacity_factor, self.num_processes, self.global_rank
+        experts = MoEShape.of(hf_model).num_experts
+        assert experts is not None  # select() found the model's MoE blocks
         return auto_degree(
-            hf_model, num_experts=num_experts(hf_model), world_size=self.world_size, devices_per_node=n,
+            hf_model, num_experts=experts, world_size=self.world_size, devices_per_node=n,
             replicate_degree=self.replicate_degree, device=self.root_device, precision=self.precision_plugin.precision,
             plan_batch=self.plan_batch, activation_checkpointing=ac, capacity_factor=cf, rank=r,
         )  # fmt: skip

@@ -50,16 +50,6 @@ def _is_moe_model(module: nn.Module, smp_moe: bool) -> bool:
     return bool(getattr(module, "_no_split_modules", None))
 
 
-def num_experts(model: nn.Module) -> int:
-    """The expert count of ``model``'s first MoE layer or block."""
-    layers = moe_layers(model)
-    if layers:
-        return layers[0].num_experts
-    family = family_for(model)
-    _, block = find_moe_blocks(model, family)[0]
-    return int(block.get_parameter(family.gate_up_proj).shape[0])
-
-
 def moe_model_candidates(module: nn.Module, smp_moe: bool) -> dict[str, nn.Module]:
     """``{attribute path: model}`` of the outermost MoE models inside ``module``.
 

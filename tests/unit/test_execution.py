@@ -340,17 +340,22 @@ def test_large_experts_keep_graphs_off_for_the_per_expert_backward() -> None:
     assert _rows(fp32)["cuda_graphs"] == ("off", "auto: off, needs bf16 experts (precision is 32-true)")
 
 
-def test_expert_elements_reads_the_model_on_the_meta_device() -> None:
+def test_moe_shape_reads_the_model_on_the_meta_device_transformed_or_not() -> None:
     from conftest import tiny_mixtral_config
     from transformers import MixtralForCausalLM
 
-    from lightning_ep.execution.environment import expert_elements
+    import lightning_ep
+    from lightning_ep.models.registry import MoEShape
 
     config = tiny_mixtral_config(hidden_size=64, intermediate_size=48)
     with torch.device("meta"):
         model = MixtralForCausalLM(config)
-    assert expert_elements(model) == 2 * 48 * 64
-    assert expert_elements(torch.nn.Linear(4, 4)) == 0
+    want = MoEShape(
+        "mixtral", config.num_local_experts, config.num_experts_per_tok, config.num_hidden_layers, 2 * 48 * 64
+    )
+    assert MoEShape.of(model) == want
+    assert MoEShape.of(lightning_ep.transform(model, MoEConfig())) == want
+    assert MoEShape.of(torch.nn.Linear(4, 4)) == MoEShape()
 
 
 def test_the_readme_shows_the_table_of_one_gpu() -> None:
