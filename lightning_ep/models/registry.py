@@ -297,7 +297,10 @@ class MoEShape:
         if family is None or not blocks:
             return cls(model_type, expert_elements=elements)
         top_k = getattr(hf_config, family.top_k, None)
-        experts = int(blocks[0][1].get_parameter(family.gate_up_proj).shape[0])
+        try:
+            experts = int(blocks[0][1].get_parameter(family.gate_up_proj).shape[0])
+        except AttributeError:  # a PEFT ParamWrapper holds the experts: read its base weight, [E, ...]
+            experts = int(weights[0][0])
         return cls(model_type, experts, None if top_k is None else int(top_k), len(blocks), elements)
 
     def record(self) -> dict[str, Any]:
