@@ -186,3 +186,15 @@ def test_expert_lora_ranks_seen_before_and_after_transform() -> None:
     assert expert_lora_ranks(peft_model) == (4,)
     assert expert_lora_ranks(lightning_ep.transform(peft_model, CONFIG)) == (4,)
     assert expert_lora_ranks(tiny_peft("mixtral", target_parameters=[])) == ()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_shape_of_a_peft_model_before_and_after_transform(family: str) -> None:
+    """PEFT wraps the experts (``ParamWrapper``): the shape is read from their base weight, and equals
+    the transformed model's."""
+    from lightning_ep.models.registry import MoEShape
+
+    model = tiny_peft(family)
+    before = MoEShape.of(model)
+    assert before.num_experts is not None and before.top_k is not None and before.expert_elements > 0
+    assert MoEShape.of(lightning_ep.transform(model, CONFIG)) == before
