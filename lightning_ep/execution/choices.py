@@ -49,7 +49,7 @@ What each choice does:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 from lightning_ep.execution.adamw import fused_adamw_row
 from lightning_ep.moe.config import MoEConfig
@@ -135,7 +135,7 @@ class Environment:
     accumulate_grad_batches: int = 1
     reshard_after_forward: bool | None = None  # the strategy's argument; None: not given
     expert_elements: int = 0  # one routed expert's gate/up weight (2I x H), the largest; 0: unknown
-    optimizers: tuple[str, ...] | None = None  # by class (execution_setup.optimizer_names); None: not set up
+    optimizers: tuple[str, ...] | None = None  # by class (execution.environment.optimizer_names); None: not set up
 
     @property
     def world_size(self) -> int:
@@ -164,23 +164,27 @@ class Resolved:
     """The choices in force, and the environment they were made for."""
 
     compile: bool
-    cuda_graphs: bool
-    symmetric_memory: bool
-    token_dedup: bool
-    row_budget: int | str | None
+    layers: LayerExecution  # what the MoE layers are built with (``transform``, ``make_dispatcher``)
     fused_adamw: bool  # lightning_ep.optim.AdamW's kernels step an optimizer (False before the optimizers exist)
     environment: Environment
     choices: tuple[Choice, ...] = field(default=())
     single_rank_fsdp: bool = False
 
     @property
-    def layers(self) -> LayerExecution:
-        """The choices the MoE layers are built with (``transform``, ``make_dispatcher``)."""
-        exchange: LayerExchange = "symmetric_memory" if self.symmetric_memory else "collective"
-        budget: Any = self.row_budget
-        return LayerExecution(
-            cuda_graphs=self.cuda_graphs, exchange=exchange, token_dedup=self.token_dedup, row_budget=budget
-        )
+    def cuda_graphs(self) -> bool:
+        return self.layers.cuda_graphs
+
+    @property
+    def symmetric_memory(self) -> bool:
+        return self.layers.exchange == "symmetric_memory"
+
+    @property
+    def token_dedup(self) -> bool:
+        return self.layers.token_dedup
+
+    @property
+    def row_budget(self) -> int | str | None:
+        return self.layers.row_budget
 
     def table(self) -> str:
         """The setup table printed once on rank 0: one line per choice."""
@@ -307,7 +311,9 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
     fused_adamw, row = _fused_adamw(execution.fused_adamw, env)
     rows += row
 
-    return Resolved(compile_on, graphs, symmetric, dedup, budget, fused_adamw, env, tuple(rows), single_rank)
+    exchange: LayerExchange = "symmetric_memory" if symmetric else "collective"
+    layers = LayerExecution(cuda_graphs=graphs, exchange=exchange, token_dedup=dedup, row_budget=budget)
+    return Resolved(compile_on, layers, fused_adamw, env, tuple(rows), single_rank)
 
 
 def with_optimizers(resolved: Resolved, execution: Execution, optimizers: tuple[str, ...]) -> Resolved:

@@ -53,7 +53,7 @@ class AllToAllDispatcher:
     travel (``Dispatched.x_MH`` waits for them on first read). Combine: the exact reverse, then the
     weighted sum over the K choices on the token's own rank.
 
-    ``dedup=True`` (``MoEConfig.token_dedup``): each token travels once per destination rank and
+    ``dedup=True`` (``LayerExecution.token_dedup``): each token travels once per destination rank and
     is copied to its local experts there (``lightning_ep.moe.dispatch.dedup``); the combine is unchanged.
     """
 
