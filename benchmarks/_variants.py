@@ -11,12 +11,16 @@ import torch
 
 from lightning_ep.models import causal_mask
 from lightning_ep.moe import GroupedExperts, MoELayer, RoutedExperts
+from lightning_ep.moe.dispatch import all_gather as dispatch_ag
 from lightning_ep.moe.dispatch import all_to_all as dispatch_ep
 from lightning_ep.moe.dispatch import base as dispatch
-from lightning_ep.moe.dispatch import combine, symm_pull
-from lightning_ep.moe.dispatch import symmetric as dispatch_symm
+from lightning_ep.moe.dispatch import combine, rows
+from lightning_ep.moe.dispatch import dedup as dispatch_dedup
+from lightning_ep.moe.dispatch.static import symm_pull
+from lightning_ep.moe.dispatch.static import symmetric as dispatch_symm
 from lightning_ep.moe.experts import grouped as experts
 from lightning_ep.moe.experts import mlp as grouped_mlp
+from lightning_ep.moe.graphs import GraphedLayer
 from lightning_ep.moe.kernels import swiglu
 from lightning_ep.moe.routing import router
 from lightning_ep.parallel import compile as compiling
@@ -185,7 +189,7 @@ def variant(name: str) -> Iterator[None]:
       the progress bar at every batch end (the non-finite flags still read from their host copy),
       not as the CPU tensors copied after each forward (``lightning_ep.strategy.step_checks``);
     - ``unrouted-graphs``: the CUDA graphs start at the dispatch at degree 1 too, the routing run
-      before them by the host (``MoELayer._graphs_take_routing``);
+      before them by the host (``GraphedLayer.take_routing``);
     - ``hf-mask``: every forward builds its attention mask through Hugging Face's
       ``create_causal_mask`` (one host sync per forward), not only those whose mask is not known on
       the host (``lightning_ep.models.causal_mask``);
@@ -246,7 +250,7 @@ def variant(name: str) -> Iterator[None]:
     if name == "device-logging":
         patches |= {"_queue_to_host": _queue_keeping_device, "before_optimizer_step": _log_device_tensors}
     if name == "unrouted-graphs":
-        patches |= {"_graphs_take_routing": lambda self, tokens, z_weight_T: False}
+        patches |= {"take_routing": lambda self, tokens, z_weight_T: False}
     if name in ("hf-mask", "reference"):
         patches |= {"mask_is_known": lambda config, args, kwargs: False}
     if name in ("fsdp-one-rank", "reference"):
@@ -255,7 +259,10 @@ def variant(name: str) -> Iterator[None]:
         combine,
         router,
         dispatch,
+        rows,
         dispatch_ep,
+        dispatch_ag,
+        dispatch_dedup,
         dispatch_symm,
         experts,
         grouped_mlp,
@@ -268,6 +275,7 @@ def variant(name: str) -> Iterator[None]:
         step_checks,
         step_checks.StepChecks,
         MoELayer,
+        GraphedLayer,
         causal_mask,
         strategy_module,
     )

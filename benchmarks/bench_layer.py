@@ -64,7 +64,9 @@ from torch import nn
 
 from lightning_ep import LayerExecution
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
+from lightning_ep.moe.dispatch import all_gather as dispatch_ag
 from lightning_ep.moe.dispatch import all_to_all as dispatch_ep
+from lightning_ep.moe.dispatch import dedup as dispatch_dedup
 
 PHASES = ("router", "permutation", "all-to-all", "shared", "experts", "combine")
 
@@ -145,14 +147,15 @@ def marked_collectives(timeline: Timeline) -> Iterator[None]:
         "send_tokens": wrap_start,
         "receive_tokens": wrap_finish,
     }
-    saved = [(name, getattr(dispatch_ep, name)) for name in wrappers]
-    for name, fn in saved:
-        setattr(dispatch_ep, name, wrappers[name](fn))
+    modules = (dispatch_ep, dispatch_ag, dispatch_dedup)
+    saved = [(m, name, getattr(m, name)) for m in modules for name in wrappers if name in vars(m)]
+    for module, name, fn in saved:
+        setattr(module, name, wrappers[name](fn))
     try:
         yield
     finally:
-        for name, fn in saved:
-            setattr(dispatch_ep, name, fn)
+        for module, name, fn in saved:
+            setattr(module, name, fn)
 
 
 def marked_forward(layer: MoELayer, x_TH: torch.Tensor, timeline: Timeline) -> torch.Tensor:
@@ -163,7 +166,7 @@ def marked_forward(layer: MoELayer, x_TH: torch.Tensor, timeline: Timeline) -> t
     weights_TK = mark(weights_TK, timeline, "router", "combine")
     timeline.side = "dispatch"
     with marked_collectives(timeline):
-        dispatched = layer.dispatcher.dispatch(x_disp, expert_ids_TK)
+        dispatched = layer.dispatcher.dispatch(x_disp, expert_ids_TK, weights_TK)
         shared_TH = None
         if layer.overlap_shared:
             shared_TH = marked_shared(layer, x_TH, timeline)  # while the rows travel
@@ -181,7 +184,8 @@ def marked_forward(layer: MoELayer, x_TH: torch.Tensor, timeline: Timeline) -> t
         assert stats.logits_finite is not None
         layer.nonfinite = ~(stats.logits_finite & layer._all_finite(out_TH))
     counts_E = dispatched.tokens_per_expert_E
-    out_TH = layer._account(out_TH, stats, counts_E, dispatched.state.get("kept_per_expert_E", counts_E))
+    kept_E = dispatched.kept_per_expert_E
+    out_TH = layer._account(out_TH, stats, counts_E, kept_E if kept_E is not None else counts_E)
     return mark(out_TH, timeline, "router", None)
 
 
@@ -314,7 +318,7 @@ def floor_ms(
     with torch.no_grad():
         x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
         routing = layer.gate(x)
-        dispatched = layer.dispatcher.dispatch(x, routing.expert_ids_TK)
+        dispatched = layer.dispatcher.dispatch(x, routing.expert_ids_TK, routing.weights_TK)
         counts = dispatched.counts_L.tolist()
         assert dispatched.x_MH.shape[0] >= sum(counts)  # also completes the exchange (symm-budget pads)
     rows = int(sum(counts))

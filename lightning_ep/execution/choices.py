@@ -27,7 +27,7 @@ What each choice does:
 - ``token_dedup``: each token sent once per destination rank instead of once per expert (the same
   math; fewer bytes when a token's experts share ranks, more gradient bytes in fp32).
 - ``row_budget``: the static size ``R`` of every rank's received rows (no host sync): the padded
-  all-to-all (``lightning_ep.moe.dispatch.padded``; ``"auto"`` sizes ``R`` from the first step's
+  all-to-all (``lightning_ep.moe.dispatch.static.padded``; ``"auto"`` sizes ``R`` from the first step's
   loads and grows it) or the symmetric-memory exchange (an int). A layer whose routing exceeds ``R``
   is never an error under ``ExpertParallelStrategy``: the model's forward runs again with the layer
   on the dynamic plan (``lightning_ep.strategy.budget_fallback``), counted in ``moe/budget_reruns``. ``None``:
@@ -54,6 +54,7 @@ from typing import Literal, get_args
 from lightning_ep.execution.adamw import fused_adamw_row
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.layer_execution import LayerExchange, LayerExecution
+from lightning_ep.moe.layer_execution import graphs_blocker as graphs_blocker_of
 
 Auto = Literal["auto"]
 Exchange = Literal["auto", "collective", "symmetric_memory"]
@@ -285,7 +286,16 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
             rows.append(Choice("token_dedup", "off", "forced" if forced else "auto: faster only at large batches"))
 
     # CUDA graphs
-    graphs_blocker = _graphs_blocker(env, moe, symmetric=symmetric, budget=budget)
+    graphs_blocker = graphs_blocker_of(
+        moe,
+        env.degree,
+        static_plan=symmetric and budget is not None,
+        world_size=env.world_size,
+        cuda_triton=env.device_type == "cuda" and env.triton,
+        precision=env.precision,
+        activation_checkpointing=env.activation_checkpointing,
+        lora_ranks=env.lora_ranks,
+    )
     if execution.cuda_graphs is True:
         if graphs_blocker is not None:
             raise ValueError(f"Execution(cuda_graphs=True) needs {graphs_blocker}; use cuda_graphs='auto'.")
@@ -376,23 +386,3 @@ def _check_symmetric(env: Environment, moe: MoEConfig) -> None:
         raise ValueError(
             "Execution(exchange='symmetric_memory') needs " + " and ".join(problems) + "; use exchange='auto'."
         )
-
-
-def _graphs_blocker(env: Environment, moe: MoEConfig, *, symmetric: bool, budget: int | str | None) -> str | None:
-    """What keeps CUDA graphs from applying, in words, or ``None``."""
-    if env.device_type != "cuda" or not env.triton:
-        return "CUDA with Triton"
-    if env.precision not in ("bf16-mixed", "bf16-true"):
-        return f"bf16 experts (precision is {env.precision})"
-    if env.activation_checkpointing:
-        return "no activation checkpointing"
-    if moe.capacity_factor is not None:
-        return "a dropless dispatch (capacity_factor is set)"
-    unaligned = sorted({r for r in env.lora_ranks if r % 8})
-    if unaligned:  # the adapters' grouped GEMMs need 16-byte rows; the per-expert loop reads counts on the host
-        return f"expert LoRA ranks that are multiples of 8 for the grouped GEMM (ranks {unaligned})"
-    if env.degree != env.world_size:
-        return f"expert weights that stay in place (degree {env.degree} = world size {env.world_size})"
-    if env.degree > 1 and not (symmetric and budget is not None):
-        return "a static plan above degree 1 (exchange='symmetric_memory' with a row_budget)"
-    return None

@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from lightning_ep.moe.dispatch.base import Dispatcher
 from lightning_ep.moe.experts.grouped import RoutedExperts, grouped_mm_supported, local_tensor
 from lightning_ep.moe.graph_inputs import (
     backward_of,
@@ -54,9 +55,72 @@ from lightning_ep.moe.graph_inputs import (
     swapped,
     with_grad,
 )
+from lightning_ep.moe.routing.route import RouterStats
+from lightning_ep.moe.tokens import LayerTokens
 
 #: Eager training calls of a layer before its graphs are captured.
 WARMUP = 2
+
+
+class GraphedLayer:
+    """``MoELayer._route_and_run`` with the dispatch, experts and combine replayed as CUDA graphs where
+    a call allows it, and eagerly where not; the layer runs this in its place while its
+    ``LayerExecution.cuda_graphs`` is on (``MoELayer.set_execution``).
+
+    At degree 1 the routing is captured with the rest (``take_routing``) when nothing of it is needed
+    outside the layer; otherwise the routing runs eagerly and the graphs start at the dispatch. A
+    dispatcher without a static plan, or on its dynamic plan (the budget fallback's rerun), runs
+    eagerly throughout.
+    """
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+        self.graphs: LayerGraphs | None = None
+
+    def __call__(
+        self,
+        x_TH: torch.Tensor,
+        tokens: LayerTokens,
+        z_weight_T: torch.Tensor | None,
+        draw_id: int,
+        shuffle_state: Any,
+        shape: torch.Size,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, RouterStats, torch.Tensor, torch.Tensor]:
+        layer, graphs = self.layer, self._graphs()
+        if graphs is None:
+            return layer._route_and_run(x_TH, tokens, z_weight_T, draw_id, shuffle_state, shape)
+        routed = self.take_routing(tokens, z_weight_T)
+        if routed and graphs.applies_routed(x_TH, layer.gate, layer.check_finite):
+            out_TH, counts_E, losses = graphs.routed(x_TH, layer.gate, layer._route, layer.check_finite)
+            return out_TH, layer._shared(x_TH), RouterStats(*losses, out_TH[:0]), counts_E, counts_E
+        ids_TK, weights_TK, stats = layer._route_tokens(x_TH, tokens, z_weight_T, shuffle_state, shape)
+        if not routed and tokens.valid_T is None and graphs.applies(x_TH, ids_TK, weights_TK):
+            out_TH, counts_E = graphs(x_TH, ids_TK, weights_TK)
+            return out_TH, layer._shared(x_TH), stats, counts_E, counts_E
+        out_TH, shared_TH, counts_E, kept_E = layer._dispatch_and_combine(x_TH, ids_TK, weights_TK, draw_id, tokens)
+        return out_TH, shared_TH, stats, counts_E, kept_E
+
+    def take_routing(self, tokens: LayerTokens, z_weight_T: torch.Tensor | None) -> bool:
+        """Whether the graphs replay the routing too: at degree 1 (the local dispatch), every token real,
+        no token shuffle, no router logits recorded."""
+        layer = self.layer
+        plain = tokens.valid_T is None and z_weight_T is None and layer.shuffle is None
+        return plain and layer.dispatcher.group is None and not layer.router_logits.active()
+
+    def release(self) -> None:
+        """Drop the graphs (see ``LayerGraphs.release``); the next training calls warm up and capture anew."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
+    def _graphs(self) -> LayerGraphs | None:
+        """The graphs of the layer's dispatcher (made on first use), or ``None`` where it runs eagerly."""
+        dispatcher = self.layer.dispatcher
+        if not dispatcher.static_plan or dispatcher.dynamic:
+            return None
+        if self.graphs is None or self.graphs.dispatcher is not dispatcher:
+            self.graphs = LayerGraphs(dispatcher, self.layer.experts)
+        return self.graphs
 
 
 class LayerGraphs:
@@ -79,12 +143,11 @@ class LayerGraphs:
     _replayed_backward: ClassVar[dict[int, weakref.WeakValueDictionary[int, LayerGraphs]]] = {}
     _earlier_pass: ClassVar[dict[int, weakref.WeakValueDictionary[int, LayerGraphs]]] = {}
 
-    def __init__(self, dispatcher: Any, experts: RoutedExperts) -> None:
-        if not hasattr(dispatcher, "dispatch_static") or (hasattr(dispatcher, "budget") and dispatcher.budget is None):
+    def __init__(self, dispatcher: Dispatcher, experts: RoutedExperts) -> None:
+        if not dispatcher.static_plan:
             raise ValueError(
-                f"Execution(cuda_graphs=True) needs a dispatch with a static plan, got {type(dispatcher).__name__}"
-                f"{' without a row budget' if hasattr(dispatcher, 'budget') else ''}: the local dispatch (degree 1), "
-                "or exchange='symmetric_memory' with an int row_budget."
+                f"Execution(cuda_graphs=True) needs a dispatch with a static plan, got {type(dispatcher).__name__} "
+                "without one: the local dispatch (degree 1), or exchange='symmetric_memory' with an int row_budget."
             )
         self.dispatcher, self.experts = dispatcher, experts
         self.calls = 0
@@ -139,13 +202,14 @@ class LayerGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``out_TH`` and the tokens per expert ``counts_E``, as the eager layer computes them."""
         weights = [local_tensor(p) for p in self._weights()]
-        budget = getattr(self.dispatcher, "budget", None)  # the symmetric-memory dispatch's row budget
+        budget = self.dispatcher.budget  # the symmetric-memory dispatch's row budget
         if budget is not None and budget.raise_at_dispatch:
             budget.check(wait=False)
         if self.fwd is None:
             self._capture_forward(x_TH, expert_ids_TK, weights_TK, weights)
         out_TH, counts_E = _Replay.apply(self, x_TH, expert_ids_TK, weights_TK, *weights)[:2]
         if budget is not None:
+            assert self._loads is not None
             budget.note(self._loads)
         return out_TH, counts_E
 
@@ -248,7 +312,7 @@ class LayerGraphs:
 
     def _core(
         self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, weights: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         dispatched, loads_D = self.dispatcher.dispatch_static(x_TH, ids_TK)
         names = [name for name, _ in self.experts.named_parameters()]
         y_MH = torch.func.functional_call(

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from lightning_ep.moe.config import MoEConfig
-from lightning_ep.moe.dispatch.base import Dispatcher, LocalDispatcher, count_ids, dispatch
+from lightning_ep.moe.dispatch.base import Dispatcher
+from lightning_ep.moe.dispatch.rows import count_ids
 from lightning_ep.moe.dispatch.select import make_dispatcher
 from lightning_ep.moe.experts.grouped import RoutedExperts
 from lightning_ep.moe.layer_execution import LayerExecution
@@ -25,8 +26,9 @@ from lightning_ep.moe.routing.router import TopKRouter
 from lightning_ep.moe.tokens import LayerTokens, TokenBatch, origin_weights, select_tokens
 
 if TYPE_CHECKING:
-    from lightning_ep.moe.dispatch.all_to_all import KeptExchange, TokenShuffle
-    from lightning_ep.moe.graphs import LayerGraphs
+    from lightning_ep.moe.dispatch.kept import KeptExchange
+    from lightning_ep.moe.dispatch.shuffle import ShufflePlan, TokenShuffle
+    from lightning_ep.moe.graphs import GraphedLayer
 
 _MAX_KEPT = 4  # KeptExchange entries per layer awaiting their recomputation
 _MAX_TOKEN_BATCHES = 64  # token batches of training forwards awaiting their recomputation, as DrawCounter
@@ -114,6 +116,8 @@ class MoELayer(nn.Module):
         self.keep_all_to_all = False
         self._kept: ForwardRecords[KeptExchange | None] = ForwardRecords(_MAX_KEPT)
         self.dispatcher: Dispatcher = make_dispatcher(config, gate.num_experts)
+        # With ``execution.cuda_graphs``: what runs in place of ``_route_and_run`` (``graphs.GraphedLayer``).
+        self.graphed: GraphedLayer | None = None
         self.execution = LayerExecution()
         self.set_execution(self.execution)
         # A TokenShuffle when global_token_shuffle is on under expert parallelism.
@@ -133,7 +137,6 @@ class MoELayer(nn.Module):
         # Eager by default; ``compile_routing`` swaps in compiled versions of the same functions.
         self._route = route
         self._all_finite = all_finite
-        self._layer_graphs: LayerGraphs | None = None
         # Not a registered child: the layer's children stay the Hugging Face block's.
         self.router_logits: RouterLogits
         object.__setattr__(self, "router_logits", RouterLogits())
@@ -150,22 +153,26 @@ class MoELayer(nn.Module):
         and backward; with the symmetric-memory dispatcher its plan too (``compile_plan``). The rest stays eager."""
         self._route = torch.compile(route, **compile_kwargs)
         self._all_finite = torch.compile(all_finite, **compile_kwargs)
-        compile_plan = getattr(self.dispatcher, "compile_plan", None)
-        if compile_plan is not None:  # the symmetric-memory dispatcher's index arithmetic
-            compile_plan(**compile_kwargs)
+        self.dispatcher.compile_plan(**compile_kwargs)
 
     def set_execution(self, execution: LayerExecution) -> None:
         """Run with ``execution``'s choices (``transform``; the dispatcher takes them when the mesh
         is applied, ``lightning_ep.parallel.expert``)."""
         self.execution = execution
         self.experts.host_counts_in_backward = not execution.cuda_graphs  # graph replays cannot read the host
+        if not execution.cuda_graphs:
+            self.release_graphs()
+            self.graphed = None
+        elif self.graphed is None:
+            from lightning_ep.moe.graphs import GraphedLayer
+
+            self.graphed = GraphedLayer(self)
 
     def release_graphs(self) -> None:
         """Drop this layer's CUDA graphs (``execution.cuda_graphs``), e.g. before destroying the process
         group their NCCL exchange runs on; the next training calls warm up and capture anew."""
-        if self._layer_graphs is not None:
-            self._layer_graphs.release()
-            self._layer_graphs = None
+        if self.graphed is not None:
+            self.graphed.release()
 
     def __getattr__(self, name: str) -> Any:
         # Roles resolve to the Hugging Face child names (``layer.gate`` is GPT-OSS's ``router``).
@@ -197,15 +204,14 @@ class MoELayer(nn.Module):
 
     def _traceable(self) -> bool:
         """Whether ``torch.compile`` may trace ``forward``: one process, no CUDA graphs."""
-        one_process = isinstance(self.dispatcher, LocalDispatcher) or getattr(self.dispatcher, "group", 0) is None
-        return one_process and self.shuffle is None and not self.execution.cuda_graphs
+        return self.dispatcher.group is None and self.shuffle is None and not self.execution.cuda_graphs
 
     def _forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
         shape = hidden_BSH.shape
         draw_id = self._draw_id()
         group = self.shuffle.group if self.shuffle is not None else None
-        if group is None and getattr(self.dispatcher, "needs_group_tokens", False):
-            group = self.dispatcher.group  # type: ignore[attr-defined]
+        if group is None and self.dispatcher.needs_group_tokens:
+            group = self.dispatcher.group
         tokens = select_tokens(self._token_batch_of(draw_id), shape, self.config, group, hidden_BSH.device)
         x_TH = hidden_BSH.reshape(-1, shape[-1])
         if tokens.real_N is not None:
@@ -219,10 +225,11 @@ class MoELayer(nn.Module):
             # The permutation is drawn on the CPU, so its split sizes need no device sync.
             generator = self._generator(draw_id, torch.device("cpu"), shared=True)
             x_TH, shuffle_state, positions_T = self.shuffle.shuffle(x_TH, generator, tokens.group_tokens, positions_T)
-            z_weight_T = origin_weights(shuffle_state["source_T"], tokens.group_tokens, x_TH.device)
+            z_weight_T = origin_weights(shuffle_state.source_T, tokens.group_tokens, x_TH.device)
 
         tokens = tokens._replace(positions_T=positions_T)
-        out_TH, shared_TH, stats, tokens_per_expert_E, kept_E = self._route_and_run(
+        run = self._route_and_run if self.graphed is None else self.graphed
+        out_TH, shared_TH, stats, tokens_per_expert_E, kept_E = run(
             x_TH, tokens, z_weight_T, draw_id, shuffle_state, shape
         )
         if shared_TH is not None:
@@ -245,35 +252,32 @@ class MoELayer(nn.Module):
         tokens: LayerTokens,
         z_weight_T: torch.Tensor | None,
         draw_id: int,
-        shuffle_state: dict | None,
+        shuffle_state: ShufflePlan | None,
         shape: torch.Size,
     ) -> tuple[torch.Tensor, torch.Tensor | None, RouterStats, torch.Tensor, torch.Tensor]:
         """Route and run the experts: the routed output, the shared experts' (or ``None``), the routing's
-        statistics, the tokens per expert and the pairs each expert kept. With CUDA graphs the routing
-        is replayed with the rest where ``_graphs_take_routing``; otherwise the graphs start at the
-        dispatch."""
-        graphs = self._graphs()
-        routed = graphs is not None and self._graphs_take_routing(tokens, z_weight_T)
-        if graphs is not None and routed and graphs.applies_routed(x_TH, self.gate, self.check_finite):
-            out_TH, counts_E, losses = graphs.routed(x_TH, self.gate, self._route, self.check_finite)
-            return out_TH, self._shared(x_TH), RouterStats(*losses, out_TH[:0]), counts_E, counts_E
-        expert_ids_TK, weights_TK, stats = self._route(self.gate, x_TH, self.check_finite, tokens.valid_T, z_weight_T)
-        if self.router_logits.active():
-            self._emit_router_logits(stats.logits_TE, tokens, shuffle_state, shape)
-        if graphs is not None and not routed and tokens.valid_T is None:
-            if graphs.applies(x_TH, expert_ids_TK, weights_TK):
-                out_TH, counts_E = graphs(x_TH, expert_ids_TK, weights_TK)
-                return out_TH, self._shared(x_TH), stats, counts_E, counts_E
+        statistics, the tokens per expert and the pairs each expert kept. ``graphs.GraphedLayer`` runs
+        in its place under CUDA graphs."""
+        expert_ids_TK, weights_TK, stats = self._route_tokens(x_TH, tokens, z_weight_T, shuffle_state, shape)
         out_TH, shared_TH, counts_E, kept_E = self._dispatch_and_combine(
             x_TH, expert_ids_TK, weights_TK, draw_id, tokens
         )
         return out_TH, shared_TH, stats, counts_E, kept_E
 
-    def _graphs_take_routing(self, tokens: LayerTokens, z_weight_T: torch.Tensor | None) -> bool:
-        """Whether the CUDA graphs replay the routing too: at degree 1 (the local dispatch), every
-        token real, no token shuffle, no router logits recorded."""
-        plain = tokens.valid_T is None and z_weight_T is None and self.shuffle is None
-        return plain and isinstance(self.dispatcher, LocalDispatcher) and not self.router_logits.active()
+    def _route_tokens(
+        self,
+        x_TH: torch.Tensor,
+        tokens: LayerTokens,
+        z_weight_T: torch.Tensor | None,
+        shuffle_state: ShufflePlan | None,
+        shape: torch.Size,
+    ) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
+        """The experts chosen, their weights and the routing's statistics; the router logits go to
+        ``router_logits`` when it records."""
+        expert_ids_TK, weights_TK, stats = self._route(self.gate, x_TH, self.check_finite, tokens.valid_T, z_weight_T)
+        if self.router_logits.active():
+            self._emit_router_logits(stats.logits_TE, tokens, shuffle_state, shape)
+        return expert_ids_TK, weights_TK, stats
 
     def _draw_id(self) -> int:
         """The id of this training forward's random draws (``rng.DrawCounter``), ``-1`` in eval.
@@ -295,7 +299,7 @@ class MoELayer(nn.Module):
         return self._draws.next_id()
 
     def _emit_router_logits(
-        self, logits_TE: torch.Tensor, tokens: LayerTokens, shuffle_state: dict | None, shape: torch.Size
+        self, logits_TE: torch.Tensor, tokens: LayerTokens, shuffle_state: ShufflePlan | None, shape: torch.Size
     ) -> None:
         """Pass the router logits, one row per position of the input, through ``router_logits``."""
         if self.shuffle is not None and shuffle_state is not None:
@@ -330,9 +334,9 @@ class MoELayer(nn.Module):
             counts_E = count_ids(expert_ids_TK, self.num_experts, tokens.valid_T)
             return out_TH, self._shared(x_TH), counts_E, counts_E
         keep = self._exchange_to_keep(draw_id)
-        dispatched = dispatch(self.dispatcher, x_TH, expert_ids_TK, weights_TK, tokens, keep)
-        if "tokens_dropped" in dispatched.state:
-            self.tokens_dropped = dispatched.state["tokens_dropped"]
+        dispatched = self.dispatcher.dispatch(x_TH, expert_ids_TK, weights_TK, tokens, keep)
+        if dispatched.tokens_dropped is not None:
+            self.tokens_dropped = dispatched.tokens_dropped
         if self.overlap_shared:
             shared_TH = self._shared(x_TH)  # while the routed rows travel (all-to-all dispatch)
             x_MH = dispatched.x_MH
@@ -341,23 +345,10 @@ class MoELayer(nn.Module):
             shared_TH = self._shared(x_TH)
         y_MH = self.experts(x_MH, dispatched.counts_L, dispatched.counts_host)
         out_TH = self.dispatcher.combine(y_MH, weights_TK, dispatched)
-        tokens_per_expert_E = dispatched.tokens_per_expert_E
-        if tokens.valid_T is not None and "kept_per_expert_E" not in dispatched.state:
+        tokens_per_expert_E, kept_E = dispatched.tokens_per_expert_E, dispatched.kept_per_expert_E
+        if tokens.valid_T is not None and kept_E is None:
             tokens_per_expert_E = count_ids(expert_ids_TK, self.num_experts, tokens.valid_T)  # real tokens only
-        return out_TH, shared_TH, tokens_per_expert_E, dispatched.state.get("kept_per_expert_E", tokens_per_expert_E)
-
-    def _graphs(self) -> LayerGraphs | None:
-        """With ``execution.cuda_graphs``, the CUDA graphs of this layer's dispatcher (made on first use;
-        ``None`` for a dispatcher without a static plan: one process)."""
-        if not self.execution.cuda_graphs or not hasattr(self.dispatcher, "dispatch_static"):
-            return None
-        if getattr(self.dispatcher, "dynamic", False):  # the budget fallback's run of a step over budget
-            return None
-        if self._layer_graphs is None or self._layer_graphs.dispatcher is not self.dispatcher:
-            from lightning_ep.moe.graphs import LayerGraphs
-
-            self._layer_graphs = LayerGraphs(self.dispatcher, self.experts)
-        return self._layer_graphs
+        return out_TH, shared_TH, tokens_per_expert_E, kept_E if kept_E is not None else tokens_per_expert_E
 
     def _account(
         self, out_TH: torch.Tensor, stats: RouterStats, tokens_per_expert_E: torch.Tensor, kept_E: torch.Tensor
@@ -382,7 +373,7 @@ class MoELayer(nn.Module):
         """With ``keep_all_to_all``, a training forward's ``KeptExchange`` (``all_to_all.exchange_to_keep``)."""
         if not (self.keep_all_to_all and draw_id >= 0 and torch.is_grad_enabled()):
             return None
-        from lightning_ep.moe.dispatch.all_to_all import exchange_to_keep
+        from lightning_ep.moe.dispatch.kept import exchange_to_keep
 
         return exchange_to_keep(self._kept, self.dispatcher, draw_id, in_backward())
 

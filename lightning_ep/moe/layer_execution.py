@@ -25,7 +25,7 @@ class LayerExecution:
             (``lightning_ep.moe.graphs``). Needs a static plan: degree 1, or the symmetric-memory
             exchange with an int ``row_budget``.
         exchange: ``"collective"`` (the process group's all-to-all or all-gather) or
-            ``"symmetric_memory"`` (pulls over NVLink; ``lightning_ep.moe.dispatch.symmetric``).
+            ``"symmetric_memory"`` (pulls over NVLink; ``lightning_ep.moe.dispatch.static.symmetric``).
         token_dedup: each token sent once per destination rank (``lightning_ep.moe.dispatch.dedup``).
         row_budget: the static rows received per rank: an int, or ``"auto"`` for the padded
             all-to-all sized from the first step; ``None``: the dynamic plan.
@@ -68,16 +68,45 @@ class LayerExecution:
                 f"but degree={degree}, capacity_factor={config.capacity_factor}, moe_all_to_all_dispatcher="
                 f"{config.moe_all_to_all_dispatcher}; leave them at their defaults here."
             )
-        if self.cuda_graphs and config.capacity_factor is not None:
-            raise ValueError(
-                "Execution(cuda_graphs=True) captures a dropless dispatch, but capacity_factor="
-                f"{config.capacity_factor}; set capacity_factor=None, or cuda_graphs=False."
-            )
-        static = self.exchange == "symmetric_memory" and isinstance(self.row_budget, int)
-        if self.cuda_graphs and degree > 1 and not static:
-            raise ValueError(
-                f"Execution(cuda_graphs=True) at expert-parallel degree {degree} captures the static plan of the "
-                f"symmetric-memory exchange, but exchange={self.exchange!r}, row_budget={self.row_budget!r}; pass "
-                "exchange='symmetric_memory' and an int row_budget (about 1.25-1.6 x tokens per rank x top_k), "
-                "or cuda_graphs=False."
-            )
+        if self.cuda_graphs:
+            static = self.exchange == "symmetric_memory" and isinstance(self.row_budget, int)
+            blocker = graphs_blocker(config, degree, static_plan=static)
+            if blocker is not None:
+                raise ValueError(
+                    f"Execution(cuda_graphs=True) needs {blocker}, but capacity_factor={config.capacity_factor}, "
+                    f"degree={degree}, exchange={self.exchange!r}, row_budget={self.row_budget!r}; "
+                    "set cuda_graphs=False, or what it needs."
+                )
+
+
+def graphs_blocker(
+    config: MoEConfig,
+    degree: int,
+    *,
+    static_plan: bool,
+    world_size: int | None = None,
+    cuda_triton: bool = True,
+    precision: str | None = None,
+    activation_checkpointing: bool | str = False,
+    lora_ranks: tuple[int, ...] = (),
+) -> str | None:
+    """What keeps CUDA graphs (``LayerExecution.cuda_graphs``) from applying, in words, or ``None``: the
+    one place their preconditions are decided. ``static_plan``: the dispatch above degree 1 is the
+    symmetric-memory exchange with an int row budget; the other arguments where the caller knows them
+    (``None`` / defaults: not checked)."""
+    if not cuda_triton:
+        return "CUDA with Triton"
+    if precision is not None and precision not in ("bf16-mixed", "bf16-true"):
+        return f"bf16 experts (precision is {precision})"
+    if activation_checkpointing:
+        return "no activation checkpointing"
+    if config.capacity_factor is not None:
+        return "a dropless dispatch (capacity_factor is set)"
+    unaligned = sorted({r for r in lora_ranks if r % 8})
+    if unaligned:  # the adapters' grouped GEMMs need 16-byte rows; the per-expert loop reads counts on the host
+        return f"expert LoRA ranks that are multiples of 8 for the grouped GEMM (ranks {unaligned})"
+    if world_size is not None and degree != world_size:
+        return f"expert weights that stay in place (degree {degree} = world size {world_size})"
+    if degree > 1 and not static_plan:
+        return "a static plan above degree 1 (exchange='symmetric_memory' with an int row_budget)"
+    return None

@@ -6,8 +6,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_ep.moe.dispatch.all_to_all import TokenShuffle
 from lightning_ep.moe.dispatch.select import make_dispatcher
+from lightning_ep.moe.dispatch.shuffle import TokenShuffle
 from lightning_ep.moe.layer import MoELayer
 
 

@@ -88,12 +88,12 @@ def run_model_matches_eager(rank: int, world: int) -> None:
         want = step(models[0], optimizers[0], batches, kind)
         got = step(models[1], optimizers[1], batches, kind)
         _assert_equal(got, want, f"step {i} ({kind})")
-        captured = all(layer._layer_graphs is not None and layer._layer_graphs.bwd is not None for layer in layers)
+        captured = all(layer.graphed.graphs is not None and layer.graphed.graphs.bwd is not None for layer in layers)
         assert captured == (i >= WARMUP), (i, captured)
         if captured:  # at degree 1 the graphs hold the routing too (its router under FSDP2)
-            assert all((layer._layer_graphs._gate is not None) == (world == 1) for layer in layers), i  # type: ignore[union-attr]
+            assert all((layer.graphed.graphs._gate is not None) == (world == 1) for layer in layers), i  # type: ignore[union-attr]
         # A layer's forward still pending after its step would leave the next one eager.
-        assert not any(layer._layer_graphs.pending for layer in layers), i  # type: ignore[union-attr]
+        assert not any(layer.graphed.graphs.pending for layer in layers), i  # type: ignore[union-attr]
 
     for model in models:
         model.eval()
@@ -113,14 +113,14 @@ def run_model_matches_eager(rank: int, world: int) -> None:
         raise AssertionError("a graph ran on weights assigned after its capture")
     for layer in layers:  # before the harness destroys the process group (see LayerGraphs.release)
         layer.release_graphs()
-        assert layer._layer_graphs is None
+        assert layer.graphed.graphs is None
 
 
 def _assert_grads_in_graph_buffers(layers: list[MoELayer]) -> None:
     """Each expert weight's ``.grad`` is still its backward graph's buffer: no forward replay copied
     it out (the backward graphs keep a memory pool of their own)."""
     for layer in layers:
-        graphs = layer._layer_graphs
+        graphs = layer.graphed.graphs
         assert graphs is not None
         for p, buffer in zip(graphs._weights(), graphs._grads[len(graphs._writable) :], strict=True):
             assert buffer is not None and p.grad is not None
@@ -193,8 +193,8 @@ def _layer_replays_without_syncs(rank: int, world: int, balancing: str, check_fi
 
     x = torch.randn(T, 128, generator=g, device=device).to(torch.bfloat16).requires_grad_(True)
     graphed = layers[1]
-    assert graphed._layer_graphs is not None and graphed._layer_graphs.bwd is not None
-    assert (graphed._layer_graphs._gate is not None) == (world == 1), balancing  # the routing captured
+    assert graphed.graphed.graphs is not None and graphed.graphed.graphs.bwd is not None
+    assert (graphed.graphed.graphs._gate is not None) == (world == 1), balancing  # the routing captured
     syncs = count_syncs(lambda: fwd_bwd(graphed, x, torch.ones_like(x)))
     assert syncs == 0, syncs
     graphed.release_graphs()
@@ -216,8 +216,8 @@ def run_capture_again_after_release(rank: int, world: int) -> None:
     x = torch.randn(T, 128, generator=g, device=device).to(torch.bfloat16).requires_grad_(True)
     for _ in range(WARMUP + 2):
         first(x).sum().backward()
-    assert first._layer_graphs is not None and first._layer_graphs.bwd is not None
-    kept = [grad for grad in first._layer_graphs._grads if grad is not None]  # allocated in the first pool
+    assert first.graphed.graphs is not None and first.graphed.graphs.bwd is not None
+    kept = [grad for grad in first.graphed.graphs._grads if grad is not None]  # allocated in the first pool
     first.release_graphs()
     layers = []
     for graphs in (False, True):
@@ -233,7 +233,7 @@ def run_capture_again_after_release(rank: int, world: int) -> None:
             results.append([out.detach(), xi.grad, *_local_grads(layer)])
             layer.zero_grad(set_to_none=True)
         _assert_equal(results[1], results[0], f"call {i}")
-    assert layers[1]._layer_graphs is not None and layers[1]._layer_graphs.bwd is not None
+    assert layers[1].graphed.graphs is not None and layers[1].graphed.graphs.bwd is not None
     assert kept  # alive until here
     layers[1].release_graphs()
 
@@ -260,7 +260,7 @@ def run_fp32_experts_refuse_graphs(rank: int, world: int) -> None:
         assert "torch.float32" in message and "cuda_graphs=False" in message, message
     else:
         raise AssertionError("cuda_graphs captured fp32 experts, whose per-expert loop reads the host")
-    assert layer._layer_graphs is not None and layer._layer_graphs.fwd is None
+    assert layer.graphed.graphs is not None and layer.graphed.graphs.fwd is None
     layer.release_graphs()
 
 

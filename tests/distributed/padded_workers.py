@@ -1,4 +1,4 @@
-"""Worker bodies for the padded all-to-all (``lightning_ep.moe.dispatch.padded``): the same bits as
+"""Worker bodies for the padded all-to-all (``lightning_ep.moe.dispatch.static.padded``): the same bits as
 the dynamic all-to-all within its row budget, and an excess noted alike on every rank."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from skew_workers import E, H, moe_layer
 
 from lightning_ep import MoEConfig
 from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
-from lightning_ep.moe.dispatch.padded import PaddedAllToAllDispatcher
+from lightning_ep.moe.dispatch.static.padded import PaddedAllToAllDispatcher
 from lightning_ep.moe.routing.router import Routing
 
 K = 2  # top-k

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from conftest import count_syncs  # tests/ is on sys.path under pytest, also in spawned workers
 
 from lightning_ep.moe import MoEConfig
-from lightning_ep.moe.dispatch.base import block_of_rows
+from lightning_ep.moe.dispatch.rows import block_of_rows
 from lightning_ep.moe.dispatch.select import make_dispatcher
 from lightning_ep.moe.layer_execution import LayerExecution
 
@@ -75,7 +75,7 @@ def _run(dispatcher, x_TH, ids_TK, weights_TK, scale_E, upstream_TH) -> list[tor
     per expert (``repeat_interleave``'s backward) adds with atomics, in no fixed order."""
     x_TH = x_TH.detach().requires_grad_(True)
     weights_TK = weights_TK.detach().requires_grad_(True)
-    dispatched = dispatcher.dispatch(x_TH, ids_TK)
+    dispatched = dispatcher.dispatch(x_TH, ids_TK, weights_TK)
     x_MH = dispatched.x_MH
     L = dispatcher.num_local_experts
     local = scale_E[dist.get_rank() * L : (dist.get_rank() + 1) * L]
@@ -95,7 +95,7 @@ def _run_chain(dispatcher, x_TH, ids_list, weights_list, scale_E, upstream_TH) -
     local = scale_E[dist.get_rank() * L : (dist.get_rank() + 1) * L]
     weights = [w.detach().requires_grad_(True) for w in weights_list]
     for ids_TK, weights_TK in zip(ids_list, weights, strict=True):
-        dispatched = dispatcher.dispatch(h_TH, ids_TK)
+        dispatched = dispatcher.dispatch(h_TH, ids_TK, weights_TK)
         x_MH = dispatched.x_MH
         scale_M = _row_scales(local, dispatched.counts_L, x_MH.shape[0])
         h_TH = h_TH + dispatcher.combine(torch.tanh(x_MH) * scale_M[:, None].to(x_MH.dtype), weights_TK, dispatched)
@@ -109,8 +109,8 @@ def run_symm_matches_all_to_all(rank: int, world: int) -> None:
     bf16, uneven tokens per rank, a hidden size that is not a multiple of the kernels' block, a rank
     that receives nothing, and a workspace that grows; one host sync per forward + backward."""
     from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
-    from lightning_ep.moe.dispatch.symm_pull import SymmetricWorkspace
-    from lightning_ep.moe.dispatch.symmetric import SymmetricMemoryDispatcher
+    from lightning_ep.moe.dispatch.static.symm_pull import SymmetricWorkspace
+    from lightning_ep.moe.dispatch.static.symmetric import SymmetricMemoryDispatcher
 
     group = dist.group.WORLD
     a2a = AllToAllDispatcher(NUM_EXPERTS, group)
@@ -161,7 +161,7 @@ def run_static_plan_matches_all_to_all(rank: int, world: int) -> None:
     all-to-all dispatcher's bit for bit, with no host sync at all; a layer over budget raises (before
     the next dispatch and at ``raise_if_over_budget``), and tokens over budget are refused up front."""
     from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
-    from lightning_ep.moe.dispatch.symmetric import SymmetricMemoryDispatcher
+    from lightning_ep.moe.dispatch.static.symmetric import SymmetricMemoryDispatcher
 
     group = dist.group.WORLD
     a2a = AllToAllDispatcher(NUM_EXPERTS, group)
@@ -228,14 +228,15 @@ def run_static_plan_matches_all_to_all(rank: int, world: int) -> None:
     _run(tight, x_TH, ids_TK, weights_TK, scale_E, upstream_TH)
     torch.cuda.synchronize()  # the note has landed on both ranks: the next dispatch raises on both
     try:
-        tight.dispatch(x_TH, ids_TK)
+        tight.dispatch(x_TH, ids_TK, weights_TK)
     except RuntimeError as error:
         assert over in str(error), error
     else:
         raise AssertionError("the next dispatch did not report the excess")
     # Tokens past the budget are refused before any work.
     try:
-        tight.dispatch(torch.zeros(1001, hidden, device="cuda"), torch.zeros(1001, 2, dtype=torch.long, device="cuda"))
+        ids = torch.zeros(1001, 2, dtype=torch.long, device="cuda")
+        tight.dispatch(torch.zeros(1001, hidden, device="cuda"), ids, torch.ones(1001, 2, device="cuda"))
     except ValueError as error:
         assert "Execution(row_budget=1000) is below this rank's 1001 tokens; with exchange='symmetric_memory'" in str(
             error
@@ -288,7 +289,7 @@ def run_padded_matches_all_to_all(rank: int, world: int) -> None:
     for bit, with no host sync; a skewed case over a tight budget is noted, not raised. Runs on one
     GPU (a group of one: the exchange, plan and budget bookkeeping on CUDA) and on two."""
     from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
-    from lightning_ep.moe.dispatch.padded import PaddedAllToAllDispatcher
+    from lightning_ep.moe.dispatch.static.padded import PaddedAllToAllDispatcher
 
     group = dist.group.WORLD
     a2a = AllToAllDispatcher(NUM_EXPERTS, group)

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 import lightning_ep
 from lightning_ep import LayerExecution, MoEConfig
+from lightning_ep.moe.dispatch.dedup import DedupAllToAllDispatcher
 
 VOCAB = 128
 SEQ = 16
@@ -135,7 +136,10 @@ def run_case(rank: int, world: int, case: Case) -> None:
             layer.experts.use_grouped_mm = False
             layer.experts.register_forward_pre_hook(_check_host_counts)
     if case.all_to_all and case.capacity is None and case.degree > 1 and not case.symm:
-        assert all(layer.dispatcher.dedup is case.dedup for layer in lightning_ep.moe_layers(model)), case
+        assert all(
+            isinstance(layer.dispatcher, DedupAllToAllDispatcher) is case.dedup
+            for layer in lightning_ep.moe_layers(model)
+        ), case
     lightning_ep.shard_model(model, mesh)
     # An untied lm_head is an FSDP2 unit of its own; a tied one stays in the root's.
     assert isinstance(model.lm_head, FSDPModule) is not case.tied

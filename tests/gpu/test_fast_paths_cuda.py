@@ -16,7 +16,7 @@ from conftest import count_syncs, rel_err
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
-from lightning_ep.moe.dispatch.base import (
+from lightning_ep.moe.dispatch.rows import (
     count_ids,
     gather_rows,
     inverse_permutation,
@@ -307,14 +307,16 @@ def one_rank_nccl_group():
 def test_expert_parallel_layer_makes_at_most_one_host_sync(one_rank_nccl_group, dispatcher, syncs):
     """One host read per layer (the split sizes); the all-gather dispatcher also reads every rank's token
     count, once per model call (here the layer is called alone: once per call of it)."""
-    from lightning_ep.moe.dispatch.all_to_all import AllGatherDispatcher, AllToAllDispatcher
+    from lightning_ep.moe.dispatch.all_gather import AllGatherDispatcher
+    from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
+    from lightning_ep.moe.dispatch.dedup import DedupAllToAllDispatcher
 
     layer = _layer()
     if dispatcher == "all_gather":
         layer.dispatcher = AllGatherDispatcher(layer.num_experts, one_rank_nccl_group)
     else:
-        dedup = dispatcher == "all_to_all_dedup"
-        layer.dispatcher = AllToAllDispatcher(layer.num_experts, one_rank_nccl_group, dedup=dedup)
+        kind = DedupAllToAllDispatcher if dispatcher == "all_to_all_dedup" else AllToAllDispatcher
+        layer.dispatcher = kind(layer.num_experts, one_rank_nccl_group)
     step = _fwd_bwd(layer)
     step()
     assert count_syncs(step) == syncs

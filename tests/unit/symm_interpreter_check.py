@@ -1,5 +1,5 @@
 """Run by ``tests/unit/test_dispatch_symm.py`` under Triton's CPU interpreter (``TRITON_INTERPRET=1``):
-the symmetric-memory pull kernels and ``copy_live_rows`` (``lightning_ep.moe.dispatch.symm_pull``)
+the symmetric-memory pull kernels and ``copy_live_rows`` (``lightning_ep.moe.dispatch.static.symm_pull``)
 against torch references.
 
 The ranks of a group are emulated in one process: each has a plain CPU buffer laid out like a
@@ -13,9 +13,9 @@ import types
 
 import torch
 
-from lightning_ep.moe.dispatch import symm_pull
-from lightning_ep.moe.dispatch.base import inverse_permutation, sort_by_expert
-from lightning_ep.moe.dispatch.symmetric import plan_pulls
+from lightning_ep.moe.dispatch.rows import inverse_permutation, sort_by_expert
+from lightning_ep.moe.dispatch.static import symm_pull
+from lightning_ep.moe.dispatch.static.symmetric import plan_pulls
 
 D, E, K, H = 3, 12, 3, 1100  # two blocks of 1024 per row, the second masked
 L = E // D

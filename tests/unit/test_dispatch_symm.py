@@ -13,9 +13,9 @@ import torch
 from conftest import run_in_triton_interpreter
 
 from lightning_ep.moe.config import MoEConfig
-from lightning_ep.moe.dispatch.base import inverse_permutation, sort_by_expert
-from lightning_ep.moe.dispatch.symm_pull import REGIONS, SymmetricWorkspace, align, offsets, region_sizes
-from lightning_ep.moe.dispatch.symmetric import RowBudget, plan_pulls, sort_pairs, static_plan
+from lightning_ep.moe.dispatch.rows import inverse_permutation, sort_by_expert
+from lightning_ep.moe.dispatch.static.symm_pull import REGIONS, SymmetricWorkspace, align, offsets, region_sizes
+from lightning_ep.moe.dispatch.static.symmetric import RowBudget, plan_pulls, sort_pairs, static_plan
 from lightning_ep.moe.layer_execution import LayerExecution
 
 

@@ -16,7 +16,7 @@ from conftest import rel_err, run_in_triton_interpreter
 from torch import nn
 
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter
-from lightning_ep.moe.dispatch.base import (
+from lightning_ep.moe.dispatch.rows import (
     block_of_rows,
     count_ids,
     expert_counts,
@@ -206,7 +206,7 @@ def test_layer_fast_path_equals_token_by_token_reference(use_grouped_mm):
 _INTERPRETER_CHECK = """
 import torch
 from lightning_ep.moe.dispatch import combine
-from lightning_ep.moe.dispatch.base import inverse_permutation, sort_by_expert
+from lightning_ep.moe.dispatch.rows import inverse_permutation, sort_by_expert
 
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()

@@ -99,10 +99,10 @@ MOE_ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "layer_execution": set(),
     "routing": {"kernels"},
-    "dispatch": {"kernels", "layer_execution"},
+    "dispatch": {"kernels", "layer_execution", "tokens"},
     "experts": {"kernels", "dispatch"},
     "graph_inputs": set(),
-    "graphs": {"kernels", "dispatch", "experts", "graph_inputs"},
+    "graphs": {"kernels", "dispatch", "experts", "graph_inputs", "routing", "tokens"},
     "tokens": set(),
     "layer": {"kernels", "routing", "dispatch", "experts", "graphs", "tokens", "layer_execution"},
 }

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ep.moe.dispatch.budget import HEADROOM, RowBudget
-from lightning_ep.moe.dispatch.padded import padded_plan, pair_loads
+from lightning_ep.moe.dispatch.static.budget import HEADROOM, RowBudget
+from lightning_ep.moe.dispatch.static.padded import padded_plan, pair_loads
 
 
 def test_an_automatic_budget_is_sized_grown_and_read_without_raising() -> None:
@@ -31,12 +31,12 @@ def test_padded_plan_index_maps() -> None:
     Rank 1 sends rank 0: 1 pair for expert 0 and 1 for expert 1."""
     counts_DE = torch.tensor([[2, 1, 1, 4], [1, 1, 3, 0]])
     plan = padded_plan(counts_DE, rank=0, num_local=2, slots=3, pairs=8)
-    assert plan["slot_N"].tolist() == [0, 1, 2, 3, 4, 5, -1, -1]
-    assert plan["send_S"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert plan.slot_N.tolist() == [0, 1, 2, 3, 4, 5, -1, -1]
+    assert plan.send_S.tolist() == [0, 1, 2, 3, 4, 5]
     # Received: slots 0-2 from rank 0 (experts 0, 0, 1), slots 3-5 from rank 1 (experts 0, 1, padding).
     # Expert-major: expert 0 from rank 0 (slots 0, 1), from rank 1 (slot 3); expert 1 (slots 2, 4); padding.
-    assert plan["regroup_M"].tolist() == [0, 1, 3, 2, 4, -1]
-    assert plan["unregroup_S"].tolist() == [0, 1, 3, 2, 4, -1]
-    assert plan["counts_L"].tolist() == [3, 2]
+    assert plan.regroup_M.tolist() == [0, 1, 3, 2, 4, -1]
+    assert plan.unregroup_S.tolist() == [0, 1, 3, 2, 4, -1]
+    assert plan.counts_L.tolist() == [3, 2]
     # Pair loads: rank 0 gets 3 from itself and 2 from rank 1; rank 1 gets 5 from rank 0 and 3 from itself.
-    assert pair_loads(counts_DE, 2).tolist() == [6, 10] == plan["loads_D"].tolist()
+    assert pair_loads(counts_DE, 2).tolist() == [6, 10] == plan.loads_D.tolist()

@@ -22,13 +22,20 @@ Padding rows are zeros and no output is read from them, so they change nothing.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_ep.moe.config import DropPolicy
-from lightning_ep.moe.dispatch.base import Dispatched, narrow_keys
+from lightning_ep.moe.dispatch.base import Dispatched, Dispatcher, expert_layout
 from lightning_ep.moe.dispatch.comm import all_to_all, finish_all_to_all, start_all_to_all
+from lightning_ep.moe.dispatch.rows import narrow_keys
+
+if TYPE_CHECKING:
+    from lightning_ep.moe.dispatch.kept import KeptExchange
+    from lightning_ep.moe.tokens import LayerTokens
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -103,7 +110,16 @@ def keep_slots(
     return rank_N, keep_N & real_N, counts_E
 
 
-class CapacityDispatcher:
+@dataclass(frozen=True)
+class SlotPlan:
+    """Each pair's slot ``e * C_max + c`` in the ``[E * C_max, H]`` buffer, whether it was kept, and ``C_max``."""
+
+    slot_N: torch.Tensor
+    keep_N: torch.Tensor
+    cap: int
+
+
+class CapacityDispatcher(Dispatcher):
     """Static-size dispatch with a per-(rank, expert) capacity; ``group=None`` is one process.
 
     Args:
@@ -116,43 +132,29 @@ class CapacityDispatcher:
     def __init__(
         self, num_experts: int, capacity_factor: float, drop_policy: DropPolicy, group: dist.ProcessGroup | None = None
     ) -> None:
-        self.group = group
-        self.degree = dist.get_world_size(group) if group is not None else 1
-        if num_experts % self.degree:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel degree {self.degree}.")
+        self.degree, _, self.num_local_experts = expert_layout(num_experts, group)
+        self.group = group if self.degree > 1 else None
         self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.degree
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
-
-    #: The layer passes the routing weights (the "probs" policy ranks by them), the tokens' positions
-    #: in their sequences (the "position" policy) and, above one rank, every rank's token count.
-    takes_weights = True
-
-    @property
-    def needs_group_tokens(self) -> bool:
-        """Whether ``dispatch`` needs every rank's token count (``group_tokens``)."""
-        return self.group is not None and self.degree > 1
+        # Above one rank every rank's token count sizes the common capacity C_max.
+        self.needs_group_tokens = self.group is not None
 
     def dispatch(
         self,
         x_TH: torch.Tensor,
         expert_ids_TK: torch.Tensor,
         weights_TK: torch.Tensor,
-        *,
-        positions_T: torch.Tensor | None = None,
-        valid_T: torch.Tensor | None = None,
-        group_tokens: list[int] | None = None,
+        tokens: LayerTokens | None = None,
+        keep: KeptExchange | None = None,
     ) -> Dispatched:
-        """Rows for the local experts (still travelling above one rank).
-
-        Args:
-            positions_T: each token's position in its sequence (``"position"`` policy); ``None``: token order.
-            valid_T: bool, ``False`` at padded tokens (kept out of every expert; one process only,
-                where the layer keeps the call's shapes under ``torch.compile``): the capacity is then
-                that of the real tokens.
-            group_tokens: every rank's token count, in rank order (above one rank; ``None``: all ``T``).
-        """
+        """Rows for the local experts (still travelling above one rank). Of ``tokens`` it reads the
+        positions (``"position"`` policy; ``None``: token order), the padding mask ``valid_T`` (one
+        process only, where the layer keeps the call's shapes under ``torch.compile``: the capacity is
+        then that of the real tokens) and every rank's token count (above one rank)."""
+        positions_T = tokens.positions_T if tokens is not None else None
+        valid_T = tokens.valid_T if tokens is not None else None
+        group_tokens = tokens.group_tokens if tokens is not None else None
         T, K = expert_ids_TK.shape
         E, L, D = self.num_experts, self.num_local_experts, self.degree
         if valid_T is not None:
@@ -173,18 +175,20 @@ class CapacityDispatcher:
         pair_rows_NH = x_TH.index_select(0, torch.arange(T * K, device=x_TH.device) // K)
         send_XH = x_TH.new_zeros((E * slots + 1, x_TH.shape[1])).index_copy(0, dest_N, pair_rows_NH)[: E * slots]
         counts_L = torch.full((L,), D * slots, dtype=torch.int64, device=x_TH.device)
-        dropped = counts_E.sum() - keep_N.sum()
-        state = {
-            "slot_N": slot_N,
-            "keep_N": keep_N,
-            "cap": slots,
-            "tokens_dropped": dropped,
-            # What Megatron-Core's "balanced" bias counts: the pairs each expert kept.
-            "kept_per_expert_E": torch.minimum(counts_E, torch.as_tensor(cap, device=counts_E.device)),
-        }
+        plan = SlotPlan(slot_N, keep_N, slots)
         counts_host = [D * slots] * L  # known without a sync
-        if self.group is None or D == 1:
-            return Dispatched(send_XH, counts_L, counts_E, state, counts_host=counts_host)
+        # What Megatron-Core's "balanced" bias counts: the pairs each expert kept.
+        kept_E = torch.minimum(counts_E, torch.as_tensor(cap, device=counts_E.device))
+        dropped = counts_E.sum() - keep_N.sum()
+
+        def dispatched(x_MH: torch.Tensor | None, arrive: Any = None) -> Dispatched:
+            return Dispatched(
+                x_MH, counts_L, counts_E, plan, arrive=arrive, counts_host=counts_host, kept_per_expert_E=kept_E,
+                tokens_dropped=dropped,
+            )  # fmt: skip
+
+        if self.group is None:
+            return dispatched(send_XH)
         splits = [L * slots] * D
         pending_XH, flight = start_all_to_all(send_XH, splits, splits, self.group)
 
@@ -193,13 +197,13 @@ class CapacityDispatcher:
             return recv_XH.view(D, L, slots, -1).transpose(0, 1).reshape(L * D * slots, -1)  # [L, D, C, H]
 
         # The rows travel until the first read of x_MH (see Dispatched).
-        return Dispatched(None, counts_L, counts_E, state, arrive=arrive, counts_host=counts_host)
+        return dispatched(None, arrive)
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        state = dispatched.state
-        cap, slot_N, keep_N = state["cap"], state["slot_N"], state["keep_N"]
+        plan: SlotPlan = dispatched.plan
+        cap, slot_N, keep_N = plan.cap, plan.slot_N, plan.keep_N
         L, D = self.num_local_experts, self.degree
-        if self.group is not None and D > 1:
+        if self.group is not None:
             back_XH = y_MH.view(L, D, cap, -1).transpose(0, 1).reshape(D * L * cap, -1)
             splits = [L * cap] * D
             y_XH = all_to_all(back_XH, splits, splits, self.group)  # [E * C, H] in my slot order

@@ -1,4 +1,5 @@
-"""Token deduplication for the all-to-all dispatch: each token travels once per destination rank.
+"""The all-to-all dispatch with token deduplication (``Execution(token_dedup=True)``): each token
+travels once per destination rank.
 
 Legend: T tokens on this rank, H hidden size, K experts per token, D ranks of the expert-parallel
 group, S token rows this rank sends (one per token and destination rank that holds at least one of
@@ -15,22 +16,99 @@ in fp32, ``2x`` the bytes of the forward's rows.
     pending, flight = send_tokens(x_TH, token_S, out_splits, in_splits, group)
     x_MH = receive_tokens(pending, flight, gather_M)     # waits for the rows, copies them
 
+``DedupAllToAllDispatcher`` is the all-to-all dispatcher with these two in place of its exchange;
+its combine is the all-to-all's.
 ``segment_sum`` is the deterministic fp32 scatter-sum both backwards use: a Triton kernel on CUDA,
 ``index_add_`` in fp32 elsewhere (the reference the kernel is tested against, bitwise).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe.dispatch.base import narrow_keys
+from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher, ExchangePlan, regroup
 from lightning_ep.moe.dispatch.comm import InFlight
+from lightning_ep.moe.dispatch.rows import inverse_permutation, narrow_keys, sort_by_expert
 from lightning_ep.moe.kernels.lazy_triton import lazy_kernels
 
 _BLOCK_H = 1024
+
+
+@dataclass(frozen=True)
+class DedupPlan(ExchangePlan):
+    """``ExchangePlan`` plus the token exchange: which token each sent row holds (``token_S``, grouped
+    by destination rank, ascending token), the token rows sent to and received from each rank, and
+    which received row each local-expert row copies (``gather_M``)."""
+
+    token_S: torch.Tensor
+    token_send_splits: list[int]
+    token_recv_splits: list[int]
+    gather_M: torch.Tensor
+
+
+class DedupAllToAllDispatcher(AllToAllDispatcher):
+    """The all-to-all dispatcher sending each token once per destination rank (see the module docstring)."""
+
+    def plan(self, expert_ids_TK: torch.Tensor) -> DedupPlan:
+        """The all-to-all's plan with the distinct tokens per destination counted in the same count
+        exchange and host read (one more column), and the token maps (``DedupPlan``)."""
+        D, L, T = self.degree, self.num_local_experts, expert_ids_TK.shape[0]
+        order_N, counts_E = sort_by_expert(expert_ids_TK, self.num_experts)
+        dest_TK = torch.div(expert_ids_TK, L, rounding_mode="floor")
+        # [D, T], not [T, D]: the scans below run along the inner dim (a scan along the outer dim
+        # of a [T, 2] tensor runs in two threads, a long serial scan on a GPU).
+        to_rank_DT = torch.zeros((D, T), dtype=torch.bool, device=dest_TK.device).scatter_(0, dest_TK.T, True)
+        sent_DC = torch.cat([counts_E.view(D, L), to_rank_DT.sum(1)[:, None]], dim=1)
+        recv_DC, host = self.exchange_counts(sent_DC)
+        recv_DL = recv_DC[:, :L]
+        send_splits, recv_splits = host[:D], host[D : 2 * D]
+        token_send, token_recv = host[2 * D + L : 3 * D + L], host[3 * D + L : 4 * D + L]
+        segment_M, regroup_M = regroup(recv_DL, sum(recv_splits))
+        # Where each pair's token sits among the rows sent to its destination: the sender knows it,
+        # and it travels to the destination in the pairs' own order (one integer per pair).
+        num_sent = sum(token_send)
+        position_DT = torch.cumsum(to_rank_DT, dim=1) - 1  # row of token t among those sent to d
+        first_D = torch.cumsum(sent_DC[:, L], 0) - sent_DC[:, L]
+        slot_DT = torch.where(to_rank_DT, first_D[:, None] + position_DT, num_sent)  # unsent: a spare slot
+        token_S = torch.empty(num_sent + 1, dtype=torch.int64, device=dest_TK.device)
+        token_S.scatter_(0, slot_DT.view(-1), torch.arange(T, device=dest_TK.device).repeat(D))
+        position_N = position_DT.T.gather(1, dest_TK).view(-1).index_select(0, order_N)
+        position_M = torch.empty(sum(recv_splits), dtype=position_N.dtype, device=dest_TK.device)
+        dist.all_to_all_single(position_M, position_N, recv_splits, send_splits, group=self.group)
+        # Received pairs are ordered (source rank, local expert); source s's tokens start at first_recv[s].
+        first_recv_D = torch.cumsum(recv_DC[:, L], 0) - recv_DC[:, L]
+        source_M = torch.div(segment_M, L, rounding_mode="floor")
+        gather_M = (position_M + first_recv_D.index_select(0, source_M)).index_select(0, regroup_M)
+        return DedupPlan(
+            order_N,
+            inverse_permutation(order_N),
+            send_splits,
+            recv_splits,
+            regroup_M,
+            inverse_permutation(regroup_M),
+            recv_DL.sum(0),
+            host[2 * D : 2 * D + L],
+            counts_E,
+            token_S[:num_sent],
+            token_send,
+            token_recv,
+            gather_M,
+        )
+
+    def _send(
+        self, x_TH: torch.Tensor, top_k: int, plan: Any, received: torch.Tensor | None
+    ) -> tuple[torch.Tensor, InFlight]:
+        return send_tokens(x_TH, plan.token_S, plan.token_recv_splits, plan.token_send_splits, self.group, received)
+
+    def _receive(self, pending: torch.Tensor, flight: InFlight, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # One copy of each received token per local expert it chose, already grouped by expert.
+        x_MH = receive_tokens(pending, flight, plan.gather_M)
+        assert flight.received is not None
+        return x_MH, flight.received
 
 
 def segment_sum(src_JH: torch.Tensor, index_J: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:

@@ -24,24 +24,28 @@ def make_dispatcher(
     degree = dist.get_world_size(group) if group is not None else 1
     execution.check(config, degree)
     if config.capacity_factor is not None:
-        return CapacityDispatcher(
-            num_experts, config.capacity_factor, config.drop_policy, group if degree > 1 else None
-        )  # type: ignore[return-value]
+        return CapacityDispatcher(num_experts, config.capacity_factor, config.drop_policy, group)
     if degree == 1:
         return LocalDispatcher(num_experts)
     assert group is not None
-    from lightning_ep.moe.dispatch.all_to_all import AllGatherDispatcher, AllToAllDispatcher
-
     if execution.exchange == "symmetric_memory":
-        from lightning_ep.moe.dispatch.symmetric import SymmetricMemoryDispatcher
+        from lightning_ep.moe.dispatch.static.symmetric import SymmetricMemoryDispatcher
 
         budget = execution.row_budget
         assert budget is None or isinstance(budget, int)
-        return SymmetricMemoryDispatcher(num_experts, group, budget)  # type: ignore[return-value]
+        return SymmetricMemoryDispatcher(num_experts, group, budget)
     if not config.moe_all_to_all_dispatcher:
-        return AllGatherDispatcher(num_experts, group)  # type: ignore[return-value]
-    if execution.row_budget is not None:
-        from lightning_ep.moe.dispatch.padded import PaddedAllToAllDispatcher
+        from lightning_ep.moe.dispatch.all_gather import AllGatherDispatcher
 
-        return PaddedAllToAllDispatcher(num_experts, group, execution.row_budget, config.max_tokens_per_rank)  # type: ignore[return-value]
-    return AllToAllDispatcher(num_experts, group, config.max_tokens_per_rank, dedup=execution.token_dedup)  # type: ignore[return-value]
+        return AllGatherDispatcher(num_experts, group)
+    if execution.row_budget is not None:
+        from lightning_ep.moe.dispatch.static.padded import PaddedAllToAllDispatcher
+
+        return PaddedAllToAllDispatcher(num_experts, group, execution.row_budget, config.max_tokens_per_rank)
+    if execution.token_dedup:
+        from lightning_ep.moe.dispatch.dedup import DedupAllToAllDispatcher
+
+        return DedupAllToAllDispatcher(num_experts, group, config.max_tokens_per_rank)
+    from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
+
+    return AllToAllDispatcher(num_experts, group, config.max_tokens_per_rank)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lightning_ep.moe.dispatch.base import block_of_rows
+from lightning_ep.moe.dispatch.rows import block_of_rows
 from lightning_ep.moe.experts.grad_scale import with_grad_scale
 from lightning_ep.moe.experts.grouped import GROUPED_MM, RoutedExperts
 

@@ -22,22 +22,43 @@ where routing is uneven; in exchange, no host sync.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
-from lightning_ep.moe.dispatch.base import (
-    Dispatched,
+from lightning_ep.moe.dispatch.base import Dispatched
+from lightning_ep.moe.dispatch.comm import all_to_all
+from lightning_ep.moe.dispatch.rows import (
     block_of_rows,
     gather_rows,
     inverse_permutation,
     sort_by_expert,
     weighted_unsort,
 )
-from lightning_ep.moe.dispatch.budget import RowBudget
-from lightning_ep.moe.dispatch.comm import all_to_all
+from lightning_ep.moe.dispatch.static.budget import RowBudget
+
+if TYPE_CHECKING:
+    from lightning_ep.moe.dispatch.kept import KeptExchange
+    from lightning_ep.moe.tokens import LayerTokens
+
+
+@dataclass(frozen=True)
+class PaddedPlan:
+    """The index maps of one padded dispatch (``padded_plan``), the pairs' sort order (and its
+    inverse) and ``C``, the rows each rank sends to each rank."""
+
+    send_S: torch.Tensor
+    slot_N: torch.Tensor
+    regroup_M: torch.Tensor
+    unregroup_S: torch.Tensor
+    counts_L: torch.Tensor
+    loads_D: torch.Tensor
+    order_N: torch.Tensor | None = None
+    inverse_N: torch.Tensor | None = None
+    C: int = 0
 
 
 class PaddedAllToAllDispatcher(AllToAllDispatcher):
@@ -58,6 +79,7 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
     """
 
     keeps_exchanges = False
+    budget: RowBudget
 
     def __init__(
         self, num_experts: int, group: dist.ProcessGroup, row_budget: int | str, max_tokens_per_rank: int | None = None
@@ -65,15 +87,25 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         super().__init__(num_experts, group, max_tokens_per_rank)
         auto = row_budget == "auto"
         self.budget = RowBudget(None if auto else int(row_budget), adaptive=auto, multiple=self.degree)
-        self.dynamic = False
 
-    def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, keep: Any = None) -> Dispatched:
+    @property
+    def static_plan(self) -> bool:
+        return self.budget.budget is not None
+
+    def dispatch(
+        self,
+        x_TH: torch.Tensor,
+        expert_ids_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        tokens: LayerTokens | None = None,
+        keep: KeptExchange | None = None,
+    ) -> Dispatched:
         if keep is not None:
             raise ValueError("keep_all_to_all needs the dynamic all-to-all plan, not a row budget.")
         if self.dynamic or self.budget.budget is None or not torch.is_grad_enabled():  # evaluation: dynamic
             if self.budget.budget is None:
                 self.budget.fit(self._loads_on_host(expert_ids_TK))  # one more host read, once
-            return super().dispatch(x_TH, expert_ids_TK)
+            return super().dispatch(x_TH, expert_ids_TK, weights_TK)
         if self.budget.raise_at_dispatch:
             self.budget.check(wait=False)
         dispatched, loads_D = self.dispatch_static(x_TH, expert_ids_TK)
@@ -89,26 +121,22 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         order_N, counts_E = sort_by_expert(expert_ids_TK, self.num_experts)
         inverse_N = inverse_permutation(order_N)
         counts_DE = self._gather_counts(counts_E)
-        plan = padded_plan(counts_DE, self.rank, L, C, order_N.numel())
-        x_SH = _SelectRows.apply(gather_rows(x_TH, order_N, K, inverse_N), plan["send_S"], plan["slot_N"])
+        plan = padded_plan(counts_DE, self.rank, L, C, order_N.numel(), order_N=order_N, inverse_N=inverse_N)
+        x_SH = _SelectRows.apply(gather_rows(x_TH, order_N, K, inverse_N), plan.send_S, plan.slot_N)
         recv_SH = all_to_all(x_SH, [C] * D, [C] * D, self.group)
-        x_MH = _SelectRows.apply(recv_SH, plan["regroup_M"], plan["unregroup_S"])
-        state = {**plan, "order_N": order_N, "inverse_N": inverse_N, "C": C}
-        return Dispatched(x_MH, plan["counts_L"], counts_E, state), plan["loads_D"]
+        x_MH = _SelectRows.apply(recv_SH, plan.regroup_M, plan.unregroup_S)
+        return Dispatched(x_MH, plan.counts_L, counts_E, plan), plan.loads_D
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        state = dispatched.state
-        if "C" not in state:  # the dynamic plan
+        plan = dispatched.plan
+        if not isinstance(plan, PaddedPlan):  # the dynamic plan
             return super().combine(y_MH, weights_TK, dispatched)
-        splits = [state["C"]] * self.degree
-        y_SH = _SelectRows.apply(y_MH, state["unregroup_S"], state["regroup_M"])
+        assert plan.order_N is not None and plan.inverse_N is not None
+        splits = [plan.C] * self.degree
+        y_SH = _SelectRows.apply(y_MH, plan.unregroup_S, plan.regroup_M)
         y_back_SH = all_to_all(y_SH, splits, splits, self.group)
-        y_NH = _SelectRows.apply(y_back_SH, state["slot_N"], state["send_S"])
-        return weighted_unsort(y_NH, state["inverse_N"], state["order_N"], weights_TK)
-
-    def raise_if_over_budget(self) -> None:
-        """Raise if a layer's rows exceeded the budget since the last check (one host sync)."""
-        self.budget.check(wait=True)
+        y_NH = _SelectRows.apply(y_back_SH, plan.slot_N, plan.send_S)
+        return weighted_unsort(y_NH, plan.inverse_N, plan.order_N, weights_TK)
 
     def _loads_on_host(self, expert_ids_TK: torch.Tensor) -> list[int]:
         """The loads ``dispatch_static`` would note for these ids, read on the host."""
@@ -129,7 +157,16 @@ def pair_loads(counts_DE: torch.Tensor, num_local: int) -> torch.Tensor:
     return pairs_DD.max(0).values * D
 
 
-def padded_plan(counts_DE: torch.Tensor, rank: int, num_local: int, slots: int, pairs: int) -> dict[str, Any]:
+def padded_plan(
+    counts_DE: torch.Tensor,
+    rank: int,
+    num_local: int,
+    slots: int,
+    pairs: int,
+    *,
+    order_N: torch.Tensor | None = None,
+    inverse_N: torch.Tensor | None = None,
+) -> PaddedPlan:
     """The index maps of one padded dispatch, from the gathered counts ``C[s, e]`` (no host sync).
 
     Send side (``S = D * slots`` rows): ``send_S[q]`` is the sorted pair in slot ``q`` (``-1``:
@@ -163,14 +200,8 @@ def padded_plan(counts_DE: torch.Tensor, rank: int, num_local: int, slots: int, 
     unregroup_S.scatter_(0, torch.where(regroup_M >= 0, regroup_M, rows), arange_S)
     ends_L = torch.cumsum(mine_DL.sum(0), 0).clamp(max=rows)
     counts_L = torch.diff(ends_L, prepend=ends_L.new_zeros(1))
-    return {
-        "send_S": send_S,
-        "slot_N": slot_N,
-        "regroup_M": regroup_M,
-        "unregroup_S": unregroup_S[:rows],
-        "counts_L": counts_L,
-        "loads_D": pair_loads(counts_DE, L),
-    }
+    loads_D = pair_loads(counts_DE, L)
+    return PaddedPlan(send_S, slot_N, regroup_M, unregroup_S[:rows], counts_L, loads_D, order_N, inverse_N, slots)
 
 
 class _SelectRows(torch.autograd.Function):

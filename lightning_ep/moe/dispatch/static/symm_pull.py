@@ -3,7 +3,7 @@
 Every rank of an expert-parallel group maps one buffer (``SymmetricWorkspace``) of every other
 rank into its own address space (``torch.distributed._symmetric_memory``), so a kernel on rank
 ``r`` can load a row that rank ``s`` wrote, over NVLink, with an ordinary load. The three pull
-kernels here gather rows that way; ``lightning_ep.moe.dispatch.symmetric`` builds the dispatch on them.
+kernels here gather rows that way; ``lightning_ep.moe.dispatch.static.symmetric`` builds the dispatch on them.
 A fourth (``copy_live_rows``) puts a padded plan's rows into this rank's own buffer.
 
 One exchange is always: each rank writes its own buffer, ``barrier()`` (a device-side barrier on

@@ -7,7 +7,7 @@ received for the local experts; ``C[s, e]``: pairs of rank ``s`` routed to exper
 
 The all-to-all dispatcher copies rows four times per direction: into sorted order, through NCCL,
 into expert order, and back. Here each rank instead reads (pulls) the rows it needs straight
-from the other GPUs' memory, already in the order it needs them (``lightning_ep.moe.dispatch.symm_pull``):
+from the other GPUs' memory, already in the order it needs them (``lightning_ep.moe.dispatch.static.symm_pull``):
 
 - dispatch: each rank puts its tokens ``[T, H]`` and its sorted pairs in its buffer; the experts'
   rank reads row ``m`` (expert-major, then source rank, then the source's sorted order: the
@@ -27,22 +27,22 @@ read at all: every rank's ``M`` is padded to ``R`` rows (a padding row has sourc
 reads or writes it, and the grouped GEMMs stop at the last expert's offset), the buffer is sized
 from ``R`` alone, and the host can queue layer after layer without waiting for the GPU. A layer
 whose rows exceed ``R`` on some rank leaves the excess out; ``RowBudget``
-(``lightning_ep.moe.dispatch.budget``) notes it on the device and raises at the next dispatch that
+(``lightning_ep.moe.dispatch.static.budget``) notes it on the device and raises at the next dispatch that
 finds the note on the host. Under ``ExpertParallelStrategy`` that training forward runs again
 instead, with the layer on the dynamic plan (``dynamic``; ``lightning_ep.strategy.budget_fallback``).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe.dispatch.all_to_all import expert_layout
-from lightning_ep.moe.dispatch.base import Dispatched, block_of_rows, inverse_permutation, sort_by_expert
-from lightning_ep.moe.dispatch.budget import RowBudget
-from lightning_ep.moe.dispatch.symm_pull import (
+from lightning_ep.moe.dispatch.base import Dispatched, Dispatcher, expert_layout
+from lightning_ep.moe.dispatch.rows import block_of_rows, inverse_permutation, sort_by_expert
+from lightning_ep.moe.dispatch.static.budget import RowBudget
+from lightning_ep.moe.dispatch.static.symm_pull import (
     SymmetricWorkspace,
     copy_live_rows,
     pull_combine_backward,
@@ -50,6 +50,10 @@ from lightning_ep.moe.dispatch.symm_pull import (
     pull_sum,
     region_sizes,
 )
+
+if TYPE_CHECKING:
+    from lightning_ep.moe.dispatch.kept import KeptExchange
+    from lightning_ep.moe.tokens import LayerTokens
 
 
 class PullPlan(NamedTuple):
@@ -148,7 +152,7 @@ def static_plan(
     return src_M, pos_M, src_TK, row_TK, order_N.to(torch.int32), counts_L, received_DL.sum(1)
 
 
-class SymmetricMemoryDispatcher:
+class SymmetricMemoryDispatcher(Dispatcher):
     """Dropless dispatch by pulls through symmetric memory (see the module docstring).
 
     Needs CUDA, an NCCL group whose ranks share one node with peer access between their GPUs, and
@@ -157,7 +161,7 @@ class SymmetricMemoryDispatcher:
     buffer to fit.
     """
 
-    keeps_exchanges = False
+    group: dist.ProcessGroup
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup, max_tokens_per_rank: int | None = None) -> None:
         backend = dist.get_backend(group)
@@ -170,8 +174,6 @@ class SymmetricMemoryDispatcher:
         self.degree, self.rank, self.num_local_experts = expert_layout(num_experts, group)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.budget = RowBudget(max_tokens_per_rank) if max_tokens_per_rank is not None else None
-        #: Take the dynamic plan even with a budget (the budget fallback's run of a step over budget).
-        self.dynamic = False
         # Eager by default; ``compile_plan`` swaps in compiled versions of the same functions.
         self._sort_pairs_fn = sort_pairs
         self._static_plan_fn = static_plan
@@ -184,7 +186,18 @@ class SymmetricMemoryDispatcher:
         self._sort_pairs_fn = torch.compile(sort_pairs, **compile_kwargs)
         self._static_plan_fn = torch.compile(static_plan, **compile_kwargs)
 
-    def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> Dispatched:
+    @property
+    def static_plan(self) -> bool:
+        return self.budget is not None
+
+    def dispatch(
+        self,
+        x_TH: torch.Tensor,
+        expert_ids_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        tokens: LayerTokens | None = None,
+        keep: KeptExchange | None = None,
+    ) -> Dispatched:
         if self.budget is not None and not self.dynamic:
             if self.budget.raise_at_dispatch:
                 self.budget.check(wait=False)  # an earlier layer's excess, if its note has reached the host
@@ -194,7 +207,7 @@ class SymmetricMemoryDispatcher:
         workspace = SymmetricWorkspace.of(self.group, x_TH.device)
         plan, counts_E = self._plan(expert_ids_TK, x_TH.shape[1], x_TH.element_size(), workspace)
         x_MH = _PullDispatch.apply(x_TH.contiguous(), plan, workspace)
-        return Dispatched(x_MH, plan.counts_L, counts_E, {"plan": plan}, counts_host=plan.counts_host)
+        return Dispatched(x_MH, plan.counts_L, counts_E, plan, counts_host=plan.counts_host)
 
     def dispatch_static(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> tuple[Dispatched, torch.Tensor]:
         """The dispatch on the plan padded to the row budget ``R`` (needs ``max_tokens_per_rank``),
@@ -221,17 +234,11 @@ class SymmetricMemoryDispatcher:
         )
         plan = PullPlan(src_M, pos_M, src_TK, row_TK, order32_N, counts_L, None)
         x_MH = _PullDispatch.apply(x_TH.contiguous(), plan, workspace)
-        return Dispatched(x_MH, plan.counts_L, counts_E, {"plan": plan}), loads_D
+        return Dispatched(x_MH, plan.counts_L, counts_E, plan), loads_D
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         workspace = SymmetricWorkspace.of(self.group, y_MH.device)
-        return _PullCombine.apply(y_MH.contiguous(), weights_TK.contiguous(), dispatched.state["plan"], workspace)
-
-    def raise_if_over_budget(self) -> None:
-        """Raise if a layer's rows exceeded ``max_tokens_per_rank`` on some rank since the last check
-        (waits for the last dispatch's copy: one host sync; nothing to check without a budget)."""
-        if self.budget is not None:
-            self.budget.check(wait=True)
+        return _PullCombine.apply(y_MH.contiguous(), weights_TK.contiguous(), dispatched.plan, workspace)
 
     def _plan(
         self, expert_ids_TK: torch.Tensor, hidden: int, element_size: int, workspace: SymmetricWorkspace
