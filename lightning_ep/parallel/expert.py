@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_ep.moe.dispatch.select import make_dispatcher
 from lightning_ep.moe.dispatch.shuffle import TokenShuffle
 from lightning_ep.moe.layer import MoELayer
+from lightning_ep.moe.layout import Layout
 
 
 def expert_parameters(layer: MoELayer) -> list[tuple[str, nn.Parameter]]:
@@ -20,28 +21,6 @@ def expert_parameters(layer: MoELayer) -> list[tuple[str, nn.Parameter]]:
         for name, param in layer.experts.named_parameters(recurse=False)
         if param.ndim >= 1 and param.shape[0] == num_experts
     ]
-
-
-def _degree_error(degree: int, num_experts: int, layer_index: int, mesh: DeviceMesh) -> str:
-    """The fixes for a degree that does not divide the expert count: a degree that divides both it
-    and the ranks of one replica (``W / replicate_degree``, which a degree must divide too, see
-    ``check_layout``), another expert count, or a world size that a larger divisor divides."""
-    world, replicate = mesh.size(), mesh["replicate"].size()
-    span = world // replicate
-    divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-    valid = [d for d in divisors if span % d == 0]
-    larger = [d for d in divisors if d > max(valid)]
-    ranks = f"the world size {world}" if replicate == 1 else f"world size / replicate_degree = {span}"
-    other_world = (
-        f", or a world size / replicate_degree that is a multiple of one of {larger} to use it as the degree"
-        if larger
-        else ""
-    )
-    return (
-        f"degree={degree} does not divide the number of experts {num_experts} (layer {layer_index}); choose a "
-        f"degree that divides both the expert count and {ranks}: one of {valid}. Otherwise use an expert count "
-        f"that is a multiple of {degree}{other_world}."
-    )
 
 
 def parallelize_moe_layers(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -64,9 +43,8 @@ def parallelize_moe_layers(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     group = ep_mesh.get_group()
     for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
         num_experts = layer.num_experts
-        if num_experts % degree:
-            raise ValueError(_degree_error(degree, num_experts, layer.layer_index, mesh))
-        local = num_experts // degree
+        layout = Layout(world=mesh.size(), degree=degree, replicate_degree=mesh["replicate"].size())
+        local = layout.local_experts(num_experts, where=f" (layer {layer.layer_index})")
         for name, param in expert_parameters(layer):
             if isinstance(param, DTensor):
                 continue

@@ -13,35 +13,19 @@ import warnings
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_ep.moe.layout import Layout
+
 MESH_AXES = ("replicate", "edp", "ep")
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def check_layout(world_size: int, degree: int, replicate_degree: int = 1) -> int:
-    """Validate a layout and return the expert-data-parallel size ``edp = W / (R * d)``.
+    """Validate a layout (``lightning_ep.moe.layout.Layout``) and return the expert-data-parallel size
+    ``edp = W / (R * d)``.
 
     Raises:
         TypeError / ValueError naming the argument, its value, and valid choices.
     """
-    for name, value in (("degree", degree), ("replicate_degree", replicate_degree)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}.")
-    if world_size % degree:
-        raise ValueError(
-            f"degree={degree} does not divide the world size {world_size}; choose one of {_divisors(world_size)}."
-        )
-    if world_size % (replicate_degree * degree):
-        valid = _divisors(world_size // degree)
-        raise ValueError(
-            f"world size {world_size} is not divisible by replicate_degree * degree = "
-            f"{replicate_degree} * {degree}; with degree={degree} choose replicate_degree in {valid}."
-        )
-    return world_size // (replicate_degree * degree)
+    return Layout(world=world_size, degree=degree, replicate_degree=replicate_degree).edp
 
 
 def init_mesh(degree: int, *, replicate_degree: int = 1, device_type: str = "cuda") -> DeviceMesh:

@@ -9,6 +9,7 @@ import re
 import sys
 from collections.abc import Sequence
 
+from lightning_ep.plan.layouts import valid_layouts
 from lightning_ep.plan.memory import PRECISIONS, Workload
 from lightning_ep.plan.model import model_shape
 from lightning_ep.plan.planner import MEMORY_MARGIN, plan_layouts
@@ -110,7 +111,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             replicate_degree=args.replicate,
         )
         if not plans:
-            valid = [d for d in range(1, args.gpus + 1) if args.gpus % d == 0 and shape.num_experts % d == 0]
+            valid = sorted({layout.degree for layout in valid_layouts(args.gpus, shape.num_experts)})
             raise ArgumentError(
                 f"--degree={args.degree} --replicate={args.replicate}: no valid layout of {args.gpus} GPUs for "
                 f"{shape.num_experts} experts; choose a degree in {valid} and a replicate degree that divides "

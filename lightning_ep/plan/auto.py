@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lightning_ep.plan.layouts import Layout
 from lightning_ep.plan.memory import Checkpointing, Workload
 from lightning_ep.plan.model import model_shape
 from lightning_ep.plan.planner import MEMORY_MARGIN, Plan, choose_layout
@@ -27,7 +28,7 @@ def node_local_degree(num_experts: int, devices_per_node: int, world_size: int, 
     """The largest divisor of ``num_experts`` that divides ``devices_per_node`` and leaves a valid
     layout (``world_size`` divisible by ``degree * replicate_degree``); 1 if there is none."""
     for d in range(math.gcd(num_experts, devices_per_node), 0, -1):
-        if num_experts % d == 0 and devices_per_node % d == 0 and world_size % (d * replicate_degree) == 0:
+        if devices_per_node % d == 0 and Layout.fits(world_size, d, replicate_degree, num_experts):
             return d
     return 1
 

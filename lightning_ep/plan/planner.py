@@ -89,11 +89,7 @@ def plan_layout(
 ) -> Plan:
     """The plan of ``layout``; it fits when its peak is within ``memory_bytes`` less ``margin``."""
     hardware = hardware if hardware is not None else Hardware.h200()
-    if shape.num_experts % layout.degree:
-        raise ValueError(
-            f"degree={layout.degree} does not divide the number of experts {shape.num_experts}; choose a "
-            "degree that divides it and the world size."
-        )
+    layout.local_experts(shape.num_experts)
     return Plan(
         shape=shape,
         layout=layout,

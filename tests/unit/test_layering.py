@@ -98,8 +98,9 @@ def test_plan_sits_above_moe_and_parallel_and_below_lightning():
 MOE_ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "layer_execution": set(),
+    "layout": set(),
     "routing": {"kernels"},
-    "dispatch": {"kernels", "layer_execution", "tokens"},
+    "dispatch": {"kernels", "layer_execution", "tokens", "layout"},
     "experts": {"kernels", "dispatch"},
     "graph_inputs": set(),
     "graphs": {"kernels", "dispatch", "experts", "graph_inputs", "routing", "tokens"},

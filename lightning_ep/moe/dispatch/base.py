@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ep.moe.dispatch.rows import gather_rows, inverse_permutation, sort_by_expert, weighted_unsort
+from lightning_ep.moe.layout import Layout
 
 if TYPE_CHECKING:
     from lightning_ep.moe.dispatch.kept import KeptExchange
@@ -143,9 +144,8 @@ def expert_layout(num_experts: int, group: dist.ProcessGroup | None) -> tuple[in
     """``(D, rank, L)`` of an expert-parallel group (``None``: one process): its size, this rank, and
     the experts per rank."""
     degree = dist.get_world_size(group) if group is not None else 1
-    if num_experts % degree:
-        raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel degree {degree}.")
-    return degree, dist.get_rank(group) if group is not None else 0, num_experts // degree
+    local = Layout(world=degree, degree=degree).local_experts(num_experts)
+    return degree, dist.get_rank(group) if group is not None else 0, local
 
 
 @dataclass(frozen=True)
