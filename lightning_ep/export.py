@@ -2,14 +2,11 @@
 
     python -m lightning_ep.export CHECKPOINT OUT_DIR --config HF_FOLDER_OR_CONFIG_JSON [--prefix model.] [--adapter]
 
-``CHECKPOINT`` is what Lightning's ``ModelParallelStrategy.save_checkpoint`` (hence
-``ExpertParallelStrategy``) wrote: a sharded checkpoint directory or a full checkpoint file. It
-runs on one process, without GPUs or a process group; see ``lightning_ep.models.hf_export.export_hf``.
-For a run of a PEFT LoRA model (the checkpoint records its ``LoraConfig``), ``OUT_DIR`` holds the
-model with the adapter merged, or with ``--adapter`` the adapter alone in PEFT's format
-(``adapter_config.json``, ``adapter_model.safetensors``; ``lightning_ep.models.lora_export``).
-A bad input (a missing checkpoint or config, ``OUT_DIR`` an existing file, a checkpoint that does
-not match the config) exits with status 1 and a one-line message, without a traceback.
+``CHECKPOINT``: a sharded checkpoint directory or a full checkpoint file, as ``ExpertParallelStrategy``
+saves them; read on one process, without GPUs or a process group (``models.hf_export.export_hf``).
+For a PEFT LoRA run, ``OUT_DIR`` holds the model with the adapter merged, or with ``--adapter`` the
+adapter alone in PEFT's format (``models.lora_export``). A bad input exits with status 1 and a
+one-line message, without a traceback.
 """
 
 from __future__ import annotations
@@ -34,9 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="sharded checkpoint directory or full checkpoint file")
     parser.add_argument("out_dir", help="folder to write (created if needed)")
     parser.add_argument(
-        "--config",
-        required=True,
-        help="the Hugging Face folder the model was built from, or its config.json",
+        "--config", required=True, help="the Hugging Face folder the model was built from, or its config.json"
     )
     parser.add_argument(
         "--prefix",
@@ -54,27 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         record = read_record(Path(args.checkpoint), weights_only=True)
         lora_config = (record or {}).get("lora_config")
-        if args.adapter:
-            if lora_config is None:
-                raise ValueError(
-                    f"--adapter: the checkpoint {args.checkpoint!r} records no LoRA config (it was not saved by "
-                    "ExpertParallelStrategy from a peft.get_peft_model LoRA model); drop --adapter to export the model."
-                )
-            out_dir = export_lora_adapter(
-                args.checkpoint,
-                args.out_dir,
-                hf_config_or_folder=args.config,
-                lora_config=lora_config,
-                prefix=args.prefix,
+        if args.adapter and lora_config is None:
+            raise ValueError(
+                f"--adapter: the checkpoint {args.checkpoint!r} records no LoRA config (it was not saved by "
+                "ExpertParallelStrategy from a peft.get_peft_model LoRA model); drop --adapter to export the model."
             )
-        else:
-            out_dir = export_hf(
-                args.checkpoint,
-                args.out_dir,
-                hf_config_or_folder=args.config,
-                prefix=args.prefix,
-                lora_config=lora_config,
-            )
+        options = {"hf_config_or_folder": args.config, "prefix": args.prefix, "lora_config": lora_config}
+        export = export_lora_adapter if args.adapter else export_hf
+        out_dir = export(args.checkpoint, args.out_dir, **options)
     except (OSError, ValueError) as error:  # what export_hf raises for bad inputs; see its docstring
         print(f"{parser.prog}: error: {_one_line(error)}", file=sys.stderr)
         return 1

@@ -1,25 +1,23 @@
 """``AdamW``: ``torch.optim.AdamW(fused=True)``, bit for bit, with each large CUDA tensor updated by
 one Triton kernel at the memory's rate.
 
-Why: an MoE model holds most of its parameters in its experts, and each expert-parallel rank keeps
-its experts whole, so the optimizer step streams every expert weight, its gradient and both moments
-once per step (14 bytes per bf16 parameter). torch's fused kernel walks its tensors in chunks of
-65,536 elements, at most 320 chunks per launch, each launch a partial wave of the GPU, and stays well
-below the memory's rate; one launch per large tensor, its grid covering the tensor, comes close to it
-(measured: ``docs/performance.md``, "Optimizer").
+Why: the optimizer step streams every expert weight, its gradient and both moments once per step
+(14 bytes per bf16 parameter). torch's fused kernel walks its tensors in chunks of 65,536 elements,
+at most 320 chunks per launch, each launch a partial wave of the GPU, well below the memory's rate;
+one launch per large tensor, its grid covering the tensor, comes close to it (``docs/performance.md``,
+"Optimizer").
 
-The contract is torch's own fused AdamW, not an approximation of it: the kernel computes what
-``torch._fused_adamw_`` computes, in the same order, with the same fused multiply-adds and correctly
-rounded divisions and square roots, and takes the bias corrections' powers from torch
-(``torch._foreach_pow``), whose ``pow`` the fused kernel shares. Tensors the kernel does not take
-(below ``min_kernel_numel`` elements, off CUDA, float64, without Triton, or under a ``GradScaler``)
-go through ``torch._fused_adamw_`` itself. The state (``step``, ``exp_avg``, ``exp_avg_sq``) and
-the state dict are torch's, so checkpoints move freely between this class and
-``torch.optim.AdamW``.
+The kernel computes what ``torch._fused_adamw_`` computes, in the same order, with the same fused
+multiply-adds and correctly rounded divisions and square roots, and takes the bias corrections'
+powers from torch (``torch._foreach_pow``). Tensors it does not take (below ``min_kernel_numel``
+elements, off CUDA, float64, without Triton, or under a ``GradScaler``) go through
+``torch._fused_adamw_`` itself. The state and state dict are torch's, so checkpoints move freely
+between this class and ``torch.optim.AdamW``.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -69,10 +67,9 @@ class AdamW(torch.optim.AdamW):
     ``torch._fused_adamw_`` in its few launches. DTensor parameters (FSDP2, expert parallelism) are
     updated through their local shards when gradient and parameter share one placement.
 
-    A ``torch.optim.Optimizer`` like any other: step pre- and post-hooks, LR schedulers and
-    Lightning's optimizer wrapper work as with torch's class. ``kernel_launches`` counts the Triton
-    kernel launches of this optimizer's steps so far (one per tensor it took, per step; 0 where every
-    tensor went through ``torch._fused_adamw_``), so a run can check that the kernel ran.
+    Hooks, LR schedulers and Lightning's optimizer wrapper work as with torch's class.
+    ``kernel_launches`` counts the Triton kernel launches of this optimizer's steps so far (one per
+    tensor it took, per step), so a run can check that the kernel ran.
     """
 
     DEFAULT_MIN_KERNEL_NUMEL = 1 << 20
@@ -139,7 +136,9 @@ class AdamW(torch.optim.AdamW):
         return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        # (param, grad, exp_avg, exp_avg_sq, step) of each parameter, for the Triton kernel or for torch's
+        big: list[tuple[Tensor, ...]] = []
+        rest: list[tuple[Tensor, ...]] = []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -150,32 +149,26 @@ class AdamW(torch.optim.AdamW):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        if not params:
+            row = (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])
+            (big if self._kernel_takes(*row[:4]) else rest).append(row)
+        if not big and not rest:
             return
         hyper = Hyper.of(group)
-        big = [i for i, p in enumerate(params) if self._kernel_takes(p, grads[i], exp_avgs[i], exp_avg_sqs[i])]
-        rest = sorted(set(range(len(params))) - set(big))
         if rest:
-            pick = [[tensors[i] for i in rest] for tensors in (params, grads, exp_avgs, exp_avg_sqs, steps)]
-            torch_fused_adamw(pick[0], pick[1], pick[2], pick[3], pick[4], hyper)
+            params, grads, exp_avgs, exp_avg_sqs, steps = (list(tensors) for tensors in zip(*rest))
+            torch_fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, hyper)
         if big:
-            big_steps = [steps[i] for i in big]
-            torch._foreach_add_(big_steps, 1)
-            powers1 = torch._foreach_pow(hyper.beta1, big_steps)
-            powers2 = torch._foreach_pow(hyper.beta2, big_steps)
-            for j, i in enumerate(big):
-                adamw_kernel_step(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], powers1[j], powers2[j], hyper)
+            steps = [row[4] for row in big]
+            torch._foreach_add_(steps, 1)
+            powers1 = torch._foreach_pow(hyper.beta1, steps)
+            powers2 = torch._foreach_pow(hyper.beta2, steps)
+            for (p, grad, exp_avg, exp_avg_sq, _), power1, power2 in zip(big, powers1, powers2, strict=True):
+                adamw_kernel_step(p, grad, exp_avg, exp_avg_sq, power1, power2, hyper)
             self.kernel_launches += len(big)
 
     def _kernel_takes(self, p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> bool:
-        """Whether ``p``'s update runs in the Triton kernel (else in ``torch._fused_adamw_``): a CUDA
-        tensor (or DTensor shard) of ``min_kernel_numel`` elements or more, with gradient and moments
-        of its dtype, shape and placement, all contiguous."""
+        """Whether ``p``'s update runs in the Triton kernel: a CUDA tensor (or DTensor shard) of
+        ``min_kernel_numel`` elements or more, with gradient and moments alike, all contiguous."""
         if not kernel_available(p):
             return False
         if DTensor is not None and isinstance(p, DTensor):
@@ -256,12 +249,9 @@ def torch_fused_adamw(
 def adamw_kernel_step(
     p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, power1: Tensor, power2: Tensor, hyper: Hyper
 ) -> None:
-    """One AdamW update of ``p``, ``exp_avg`` and ``exp_avg_sq`` in place, in one kernel launch.
-
-    ``power1`` / ``power2``: one-element float32 tensors holding ``beta1 ** step`` and
-    ``beta2 ** step`` for this step (the bias corrections' powers, computed by torch). The
-    tensors (or their DTensors' local shards) must be contiguous, of one shape and one dtype.
-    """
+    """One AdamW update of ``p``, ``exp_avg`` and ``exp_avg_sq`` in place, in one kernel launch, given
+    ``beta1 ** step`` and ``beta2 ** step`` as one-element float32 tensors. The tensors (or their
+    DTensors' local shards) must be contiguous, of one shape and one dtype."""
     kernels = _triton()
     p, grad, exp_avg, exp_avg_sq = (local_tensor(t) for t in (p, grad, exp_avg, exp_avg_sq))
     count = p.numel()
@@ -331,11 +321,7 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
         tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
 
-    class Kernels:
-        pass
-
-    Kernels.adamw = adamw  # type: ignore[attr-defined]
-    return Kernels
+    return types.SimpleNamespace(adamw=adamw)
 
 
 _triton = lazy_kernels(_build_kernels)

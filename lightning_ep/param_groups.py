@@ -1,12 +1,10 @@
 """``weight_decay_groups``: optimizer parameter groups that decay the weight matrices and leave
 norms, biases and routers alone.
 
-Weight decay pulls a parameter toward 0. That regularises a projection matrix, but a norm's scale
-pulled toward 0 shrinks the activations, a bias has no scale to regularise, and a router's logits
-decide which experts a token reaches (decaying them flattens the routing the balancing losses
-shape). The usual recipe (GPT-2, Llama, transformers' ``Trainer``) decays only the matrices; this
-module applies it to every family ``lightning_ep`` supports, before or after the strategy replaced
-the MoE blocks, and under FSDP2 (a ``DTensor`` reports its global shape and keeps its name).
+Weight decay regularises a projection matrix, but a norm's scale pulled toward 0 shrinks the
+activations, a bias has no scale to regularise, and decaying a router's logits flattens the routing
+the balancing losses shape. The usual recipe (GPT-2, Llama, transformers' ``Trainer``) decays only
+the matrices; this module applies it to every supported family, transformed or not, under FSDP2 too.
 """
 
 from __future__ import annotations
@@ -20,43 +18,31 @@ from lightning_ep.moe.layer import MoELayer
 
 
 def no_weight_decay(model: nn.Module) -> list[str]:
-    """The names (as ``model.named_parameters()`` gives them) of the trainable parameters that
-    ``weight_decay_groups`` leaves undecayed, in ``named_parameters`` order:
+    """The names (in ``named_parameters`` order) of the trainable parameters that
+    ``weight_decay_groups`` leaves undecayed:
 
-    - every parameter of a normalisation module (a class whose name contains ``Norm``: LayerNorm,
-      RMSNorm, Hugging Face's ``*RMSNorm``, DeepSeek's ``q_a_layernorm`` and the like);
-    - every parameter with fewer than 2 dimensions (biases, norm scales, GPT-OSS's attention
-      ``sinks``) and every one whose name ends in ``bias`` (GPT-OSS's 2-D expert biases
-      ``gate_up_proj_bias`` and ``down_proj_bias``);
-    - the routers of the MoE blocks (``gate``; GPT-OSS: ``router``, its bias included) and
-      Qwen2-MoE's ``shared_expert_gate``, which gates the shared expert per token as the router
-      gates the others: found as ``MoELayer`` gates after ``transform`` and through the adapter
-      table (``lightning_ep.models``) on an untouched Hugging Face model.
+    - every parameter of a normalisation module (a class whose name contains ``Norm``);
+    - every parameter with fewer than 2 dimensions (biases, norm scales, GPT-OSS's ``sinks``) and
+      every one whose name ends in ``bias`` (GPT-OSS's 2-D expert biases);
+    - the routers of the MoE blocks and Qwen2-MoE's ``shared_expert_gate`` (which gates the shared
+      expert per token as the router gates the others), transformed or not.
 
-    Buffers (DeepSeek-V3's ``e_score_correction_bias``, the ``"balanced"`` mode's ``expert_bias``)
-    are not parameters: no optimizer sees them. Frozen parameters (``requires_grad=False``, as the
-    base weights under LoRA) are left out of both lists.
+    Frozen parameters (``requires_grad=False``, as the base weights under LoRA) are in neither list.
     """
     exempt = {id(p) for module in _exempt_modules(model) for p in module.parameters()}
-    names = []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if id(p) in exempt or p.ndim < 2 or name.endswith("bias"):
-            names.append(name)
-    return names
+    return [
+        name
+        for name, p in model.named_parameters()
+        if p.requires_grad and (id(p) in exempt or p.ndim < 2 or name.endswith("bias"))
+    ]
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two parameter groups for ``torch.optim.AdamW`` or ``lightning_ep.optim.AdamW``: the trainable
-    parameters that decay (``weight_decay``) and those that do not (``no_weight_decay``; 0).
-
-    Call it in ``configure_optimizers``, where the strategy has already replaced and sharded the
-    MoE blocks: ``AdamW(weight_decay_groups(self.model, 0.1), lr=...)``. An empty group is left out.
-    A parameter reached twice (tied embeddings) is listed once.
-
-    Raises:
-        ValueError: ``weight_decay`` is negative.
+    parameters that decay (``weight_decay``) and those that do not (``no_weight_decay``; 0). Call it in
+    ``configure_optimizers``: ``AdamW(weight_decay_groups(self.model, 0.1), lr=...)``. An empty group is
+    left out; a parameter reached twice (tied embeddings) is listed once. Raises ``ValueError`` for a
+    negative ``weight_decay``.
     """
     if weight_decay < 0:
         raise ValueError(f"weight_decay_groups(weight_decay={weight_decay}) must be >= 0.")

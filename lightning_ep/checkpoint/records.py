@@ -2,10 +2,8 @@
 
 A save writes ``<path>.partial`` and moves it into place once every rank has written it, so a
 process killed mid-save leaves the previous checkpoint untouched and a ``.partial`` one that
-``refuse_partial`` refuses by name.
-
-Every checkpoint the strategy saves carries, under ``checkpoint["lightning_ep"]`` (in ``meta.pt`` of
-a sharded checkpoint, in the file itself of a full one), plain Python values only::
+``refuse_partial`` refuses by name. Every checkpoint carries, under ``checkpoint["lightning_ep"]``
+(in ``meta.pt`` of a sharded checkpoint), plain Python values only::
 
     {"format": 1,
      "moe_config": dataclasses.asdict(strategy.moe),
@@ -13,10 +11,9 @@ a sharded checkpoint, in the file itself of a full one), plain Python values onl
      "lora_config": "{...}"}   # only for a PEFT LoRA model: its adapter_config.json text
 
 ``load_checkpoint`` reads it before any weight is restored and refuses a resume whose MoE
-configuration or shape differs, by name, unless the strategy's ``allow_moe_config_change`` lists
-every differing name. The fields of ``lightning_ep.moe.config.EXECUTION_FIELDS`` (how the same math
-is carried out) may always differ. A checkpoint without the record (saved before it existed) loads
-unchecked.
+configuration or shape differs, by name, unless ``allow_moe_config_change`` lists every differing
+name; ``lightning_ep.moe.config.EXECUTION_FIELDS`` may always differ. A checkpoint without the
+record loads unchecked.
 """
 
 from __future__ import annotations
@@ -82,8 +79,7 @@ def moe_shape(model: nn.Module) -> dict[str, Any]:
 
 def make_record(config: MoEConfig, model: nn.Module) -> dict[str, Any]:
     """The record saved under ``checkpoint[RECORD_KEY]`` for a run of ``model`` under ``config``; for a
-    PEFT LoRA model, with ``"lora_config"``: its ``LoraConfig`` as the JSON of ``adapter_config.json``
-    (what ``python -m lightning_ep.export`` needs to write or merge the adapter)."""
+    PEFT LoRA model with its ``LoraConfig`` as JSON, for ``python -m lightning_ep.export``."""
     record: dict[str, Any] = {"format": RECORD_FORMAT, "moe_config": asdict(config), "moe_shape": moe_shape(model)}
     lora = peft_configs(model)
     if lora:
@@ -94,9 +90,8 @@ def make_record(config: MoEConfig, model: nn.Module) -> dict[str, Any]:
 
 
 def read_record(path: Path, weights_only: bool | None = None) -> dict[str, Any] | None:
-    """The record of the checkpoint at ``path`` (a sharded folder or a full file), read without
-    touching the model; ``None`` when it has none, or when ``path`` is no checkpoint (Lightning's
-    loading says so)."""
+    """The record of the checkpoint at ``path`` (a sharded folder or a full file); ``None`` when it has
+    none, or when ``path`` is no checkpoint (Lightning's loading says so)."""
     if path.is_dir():
         if not (path / _METADATA_FILE).is_file():
             return None
@@ -128,12 +123,9 @@ def check_allowed(names: str | Sequence[str]) -> tuple[str, ...]:
 def check_record(
     record: dict[str, Any] | None, config: MoEConfig, model: nn.Module, *, allowed: Sequence[str], path: Path
 ) -> None:
-    """Refuse to resume ``model`` under ``config`` from a checkpoint whose ``record`` differs in a
-    field that changes the math or in the MoE shape, unless ``allowed`` names it.
-
-    Raises:
-        ValueError: naming each refused field with the saved value and this run's, and the fix.
-    """
+    """Refuse (``ValueError`` naming each field, both values and the fix) to resume ``model`` under
+    ``config`` from a checkpoint whose ``record`` differs in the math or the MoE shape, unless
+    ``allowed`` names the difference."""
     if record is None:
         return
     saved_config = record.get("moe_config", {})
@@ -159,13 +151,9 @@ def check_record(
 @contextmanager
 def saved_bias_keys(record: dict[str, Any] | None, layers: Sequence[MoELayer]) -> Generator[None, None, None]:
     """While loading a checkpoint saved under another (allowed) balancing mode, give the routers the
-    ``gate.expert_bias`` state-dict keys the checkpoint has.
-
-    A ``"balanced"`` router without a bias of the model's own keeps one in ``expert_bias``; the
-    other modes have none. Leaving ``"balanced"``: a stand-in buffer takes the saved bias and is
-    dropped after loading. Entering it: the bias is not persistent while loading, so it keeps its
-    initial zeros.
-    """
+    ``gate.expert_bias`` keys the checkpoint has: leaving ``"balanced"``, a stand-in buffer takes the
+    saved bias and is dropped after; entering it, the bias is not persistent while loading (it keeps
+    its initial zeros)."""
     saved_mode = (record or {}).get("moe_config", {}).get("moe_load_balancing")
     if saved_mode is None:
         yield

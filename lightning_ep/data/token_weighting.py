@@ -3,31 +3,25 @@ all of the step's labelled tokens, across its gradient-accumulation micro-batche
 ranks, divided by their count.
 
 Legend: A micro-batches per optimizer step (``accumulate_grad_batches``), W data-parallel ranks,
-``s_rm`` the summed cross-entropy of rank ``r``'s micro-batch ``m``, N the step's labelled tokens
-(the sum of ``n_rm`` over ranks and micro-batches).
+``s_rm`` the summed cross-entropy of rank ``r``'s micro-batch ``m`` over its ``n_rm`` labelled
+tokens, N the step's labelled tokens (the sum of ``n_rm``).
 
-A loss that is each micro-batch's mean, as Hugging Face models return by default, gives the step
-``1/(A W) * sum_rm s_rm / n_rm``: every micro-batch weighs the same, whatever its number of labelled
-tokens (data parallelism's semantics). With assistant-only labels or packed rows, ``n_rm`` varies
-widely, and a micro-batch with 3 labelled tokens then counts as much as one with 300. The
-token-weighted step is ``sum_rm s_rm / N``, what transformers' ``Trainer`` computes from
+A per-micro-batch mean loss (Hugging Face's default) gives the step ``1/(A W) * sum_rm s_rm / n_rm``:
+a micro-batch with 3 labelled tokens counts as much as one with 300 (assistant-only labels, packed
+rows). The token-weighted step is ``sum_rm s_rm / N``, as transformers' ``Trainer`` computes from
 ``num_items_in_batch``.
 
-The step's ``N`` must be known before its first backward. ``token_weighted`` reads the ``A``
-micro-batches of a step ahead, counts their labelled tokens (``count_loss_tokens``), all-reduces the
-count once per step over the data-parallel group, and gives each of those batches
+``token_weighted`` reads a step's ``A`` micro-batches ahead, counts their labelled tokens
+(``count_loss_tokens``), all-reduces the count over the data-parallel group, and gives each batch
 ``num_items_in_batch = N / (A W)``. A Hugging Face causal LM called with ``model(**batch)`` then
-returns ``s_rm * A * W / N`` (its loss sums over the micro-batch's tokens and divides by
-``num_items_in_batch``), and Lightning's division by ``accumulate_grad_batches`` and FSDP2's mean of
-the gradients over the ``W`` ranks leave exactly ``sum_rm s_rm / N``. The training step stays
-``return self.model(**batch).loss``. ``TokenWeightedDataLoader`` is a ``DataLoader`` that does this
-to its batches, so that Lightning still gives it a distributed sampler.
+returns ``s_rm * A * W / N``, and Lightning's division by ``accumulate_grad_batches`` and FSDP2's
+mean over the ``W`` ranks leave exactly ``sum_rm s_rm / N``; the training step stays
+``return self.model(**batch).loss``. ``TokenWeightedDataLoader`` does this as a ``DataLoader``, so
+Lightning still gives it a distributed sampler.
 
-Only the model's returned loss is token-weighted. The MoE aux and z losses reach the gradients inside
-the MoE layers, per micro-batch and on each rank's own tokens, weighted ``coeff / A``
-(``MoELayer.loss_scale``), and FSDP2 averages them over the ranks: they keep their scale, ``coeff``
-times their mean over the step's micro-batches and ranks, as without token weighting. ``A`` must be
-the Trainer's ``accumulate_grad_batches``: another value scales the step's loss by their ratio.
+Only the model's returned loss is token-weighted: the MoE aux and z losses keep their scale (``coeff``
+times their mean over the step's micro-batches and ranks, ``MoELayer.loss_scale``). ``A`` must be the
+Trainer's ``accumulate_grad_batches``: another value scales the step's loss by their ratio.
 
 Cost: ``A`` batches held on the host ahead of their step, one sum over each batch's labels, and one
 all-reduce of one integer per optimizer step (on the host under gloo, on the GPU under NCCL).
@@ -50,20 +44,12 @@ KEY = "num_items_in_batch"
 
 
 def count_loss_tokens(batch: Mapping[str, Any], *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """The number of positions a Hugging Face causal-LM loss averages over in ``batch``.
-
-    The loss shifts ``labels [B, S]`` left by one inside the model (position ``t`` predicts label
-    ``t + 1``), so the first label of each row is never a target: the count is that of
-    ``labels[..., 1:] != ignore_index``. A batch that holds ``shift_labels`` (already shifted, as
-    under context parallelism) is counted as it is. Padding and a packed row's document starts
-    carry ``ignore_index`` (``DataCollatorWithFlattening`` puts it at each document's first label)
-    and are not counted.
-
-    Returns:
-        An int64 0-dim tensor on the labels' device.
-    Raises:
-        TypeError: ``batch`` is not a mapping.
-        ValueError: ``batch`` holds neither ``labels`` nor ``shift_labels``.
+    """The number of positions a Hugging Face causal-LM loss averages over in ``batch``, as an int64
+    0-dim tensor on the labels' device. The model shifts ``labels [B, S]`` left by one, so the count is
+    that of ``labels[..., 1:] != ignore_index``; ``shift_labels`` (already shifted, as under context
+    parallelism) are counted as they are. Padding and a packed row's document starts carry
+    ``ignore_index`` and are not counted. ``TypeError`` for a batch that is not a mapping,
+    ``ValueError`` for one without ``labels`` or ``shift_labels``.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(
@@ -91,28 +77,23 @@ def token_weighted(
     """The batches of ``batches``, each with ``num_items_in_batch = N / (A W)`` for its step's ``N``.
 
     Consecutive groups of ``accumulate_grad_batches`` batches form the optimizer steps, as Lightning
-    groups them from the start of each epoch. A last group that is shorter (an epoch whose length is
-    not a multiple of ``A``, where Lightning steps early but still divides by ``A``) is counted over
-    the batches it has. A step without a labelled token gets ``N = 1``: its loss is 0, not NaN.
+    groups them from the start of each epoch; a shorter last group is counted over the batches it
+    has. A step without a labelled token gets ``N = 1``: its loss is 0, not NaN.
 
     Args:
         batches: dict batches holding ``labels`` (or ``shift_labels``), e.g. a ``DataLoader``'s.
-        accumulate_grad_batches: ``A``, the micro-batches per optimizer step; under Lightning the
-            Trainer's ``accumulate_grad_batches``. Under manual optimization: what the loss is
-            divided by before ``manual_backward``.
-        group: the data-parallel group whose ranks average the gradients; ``None``: every rank of
-            the default group (as under ``ExpertParallelStrategy``, where every rank has its own
-            data), or one process without ``torch.distributed``. Every rank of it must yield the same
-            number of batches (a ``DistributedSampler`` does), since each step's count is all-reduced.
+        accumulate_grad_batches: ``A``: the Trainer's ``accumulate_grad_batches`` (under manual
+            optimization, what the loss is divided by before ``manual_backward``).
+        group: the data-parallel group whose ranks average the gradients; ``None``: the default group
+            (every rank under ``ExpertParallelStrategy``), or one process. Every rank of it must yield
+            the same number of batches (a ``DistributedSampler`` does): each step's count is all-reduced.
         ignore_index: the label value the loss skips.
     Yields:
-        A new dict per batch: its items plus ``num_items_in_batch``, a float32 0-dim tensor (on the
-        host under gloo, on this rank's GPU under NCCL).
+        A new dict per batch with ``num_items_in_batch``, a float32 0-dim tensor (on the host under
+        gloo, on this rank's GPU under NCCL).
     Raises:
-        ValueError: ``accumulate_grad_batches`` below 1 (at the call); while iterating, a batch without
-            labels or one that already holds ``num_items_in_batch``.
-        TypeError: ``accumulate_grad_batches`` not an int (at the call); while iterating, a batch that
-            is not a mapping.
+        ValueError, TypeError: a bad ``accumulate_grad_batches`` (at the call); while iterating, a batch
+            that is not a mapping, has no labels or already holds ``num_items_in_batch``.
     """
     _check_accumulate(accumulate_grad_batches)
     return _with_step_counts(iter(batches), accumulate_grad_batches, group, ignore_index)
@@ -154,20 +135,12 @@ def _check_accumulate(accumulate_grad_batches: Any) -> None:
 
 
 class TokenWeightedDataLoader(DataLoader):
-    """A ``torch.utils.data.DataLoader`` whose batches carry ``num_items_in_batch`` for the
-    token-weighted objective (``token_weighted``, the module docstring).
-
-    Takes ``DataLoader``'s arguments and three of its own. Being a ``DataLoader``, it gets
-    Lightning's distributed sampler, worker seeding and epoch setting as any other; its length is
-    the number of micro-batches. Build it in ``train_dataloader`` with the Trainer's
-    ``accumulate_grad_batches``, and call the model with the whole batch (``self.model(**batch)``).
-
-    Args:
-        dataset: as for ``DataLoader``; its collate function must give dict batches with ``labels``.
-        accumulate_grad_batches: the Trainer's ``accumulate_grad_batches``.
-        group: the data-parallel group (``None``: the default group).
-        ignore_index: the label value the loss skips.
-        **kwargs: ``DataLoader``'s other arguments (``batch_size``, ``shuffle``, ``collate_fn``, ...).
+    """A ``DataLoader`` whose batches carry ``num_items_in_batch`` for the token-weighted objective
+    (``token_weighted``; its collate function must give dict batches with ``labels``). Lightning gives
+    it its distributed sampler, worker seeding and epoch setting as any other; its length is the number
+    of micro-batches. Build it in ``train_dataloader`` with the Trainer's ``accumulate_grad_batches``
+    (``group``, ``ignore_index``: as for ``token_weighted``; other arguments go to ``DataLoader``), and
+    call the model with the whole batch (``self.model(**batch)``).
     """
 
     def __init__(

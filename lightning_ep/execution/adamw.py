@@ -1,10 +1,9 @@
 """The setup table's ``fused_adamw`` row: whether ``lightning_ep.optim.AdamW``'s kernels step the
 optimizers Lightning set up, and the refusal of an ``Execution(fused_adamw=...)`` that contradicts them.
 
-Only an optimizer constructed as ``lightning_ep.optim.AdamW`` has the kernels; the strategy never
-changes the optimizer ``configure_optimizers`` returns, so the row reports, it does not choose. The
-optimizers arrive by name (``lightning_ep.execution.environment.optimizer_names``), so this stays a pure
-function, tested for any device on CPU.
+The strategy never changes the optimizer ``configure_optimizers`` returns, so the row reports, it
+does not choose. The optimizers arrive by name (``execution.environment.optimizer_names``), so this
+stays a pure function, tested for any device on CPU.
 """
 
 from __future__ import annotations
@@ -24,11 +23,8 @@ def fused_adamw_row(
     option: bool | Literal["auto"], *, device_type: str, triton: bool, optimizers: tuple[str, ...] | None
 ) -> tuple[bool, str | None]:
     """Whether ``lightning_ep.optim.AdamW``'s kernels step one of ``optimizers`` on ``device_type``, and
-    the row's reason (``None``: no row, the optimizers are not set up yet).
-
-    Raises:
-        ValueError: ``option`` forced against the device or the optimizers, naming the fix.
-    """
+    the row's reason (``None``: no row yet); ``ValueError`` with the fix for an ``option`` forced
+    against the device or the optimizers."""
     fast = device_type == "cuda" and triton
     no_kernels = "CPU" if device_type != "cuda" else "no Triton"
     if option is True and not fast:

@@ -51,9 +51,8 @@ def _accumulation(strategy: ExpertParallelStrategy) -> int:
 
 def fsdp_options(strategy: ExpertParallelStrategy) -> dict[str, Any]:
     """FSDP2's ``mp_policy`` and ``reshard_after_forward`` for ``strategy``: bf16 parameters with fp32
-    reduction under bf16 precisions, except that on a single rank (``Execution.single_rank_fsdp``) the
-    gathered parameters stay from forward to backward and gradients reduce in bf16, the same bits
-    (what modules beside the model get there; the model's own dense parameters skip FSDP2)."""
+    reduction under bf16 precisions; on a single rank (``Execution.single_rank_fsdp``) the gathered
+    parameters stay from forward to backward and gradients reduce in bf16 (the same bits)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     single = strategy.resolved is not None and strategy.resolved.single_rank_fsdp
@@ -85,8 +84,8 @@ def resolve_for(strategy: ExpertParallelStrategy, hf_model: nn.Module) -> Resolv
 
 def optimizer_names(optimizers: Iterable[torch.optim.Optimizer]) -> tuple[str, ...]:
     """How ``Environment.optimizers`` names each of ``optimizers``: ``lightning_ep.optim.AdamW`` for an
-    instance of that class (subclasses too: its kernels step them), torch's optimizers by their
-    ``torch.optim`` name (``torch.optim.AdamW``), any other by its module and class."""
+    instance of that class (subclasses too), torch's by their ``torch.optim`` name, any other by its
+    module and class."""
     from lightning_ep.optim import AdamW
 
     names = []

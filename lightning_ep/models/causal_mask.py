@@ -2,49 +2,37 @@
 leaves it out of the calls whose mask is known on the host, which saves one host sync per forward;
 ``separate_packed_documents`` makes sure it sees the documents of a packed row.
 
-Each forward of a Hugging Face decoder (transformers 5) builds its attention mask with
-``create_causal_mask``, which first decides on the host whether any mask is needed. It reads
-whether the ``position_ids`` hold packed sequences (``find_packed_sequence_indices``) or whether a
-2-D ``attention_mask`` pads anything (``fast_all``). Either read waits for the GPU. The queue then
-runs dry early in the forward, and the GPU waits on each launch until the host is ahead again.
+Hugging Face's ``create_causal_mask`` first decides on the host whether any mask is needed, reading
+whether the ``position_ids`` are packed (``find_packed_sequence_indices``) or a 2-D
+``attention_mask`` pads anything (``fast_all``). Either read waits for the GPU, and the queue runs
+dry early in the forward.
 
-For a call with no ``attention_mask``, no ``position_ids`` and no cache, the answer is known before
-the call. The model numbers each row's positions ``0 .. S-1`` itself (one sequence per row, nothing
-packed) and pads nothing, so under SDPA every layer gets no mask and SDPA runs with
-``is_causal=True``. That holds for sliding-window layers too, while ``S`` is shorter than the
-window. For such a call, a forward pre-hook hands the model a shallow copy of its config whose
-attention implementation is ``"lightning_ep_sdpa"``, and a forward hook gives the model its own
-config back. That name calls the SDPA function registered as ``"sdpa"`` but has no mask function,
-so ``create_causal_mask`` (which reads the model's config) returns no mask at once. The decoder
-layers keep the config object they hold: their attention still reads ``"sdpa"``, in the forward and
-in an activation-checkpointed recompute alike, and a compiled attention keeps its graph. The kernels
-and the numbers stay the same, without the sync; the cost is one shallow copy of the config per
-call.
+For a call with no ``attention_mask``, no ``position_ids`` and no cache, the answer is known: the
+model numbers each row ``0 .. S-1`` and pads nothing, so under SDPA every layer gets no mask and runs
+with ``is_causal=True`` (sliding-window layers too, while ``S`` is shorter than the window). For such
+a call a forward pre-hook hands the model a shallow copy of its config whose attention
+implementation is ``"lightning_ep_sdpa"`` (the ``"sdpa"`` function without a mask function, so
+``create_causal_mask`` returns no mask at once), and a forward hook gives the config back. The
+decoder layers keep the config object they hold, so their attention still reads ``"sdpa"``, in an
+activation-checkpointed recompute and a compiled graph alike. Same kernels and numbers, without the
+sync; the cost is one shallow config copy per call. Every other call (a mask, positions or a cache,
+an argument outside ``_NEUTRAL``, another attention implementation, chunked attention or
+sub-configs, a sequence as long as the sliding window, or a trace by ``torch.compile``) runs Hugging
+Face's mask creation as before.
 
-Every other call runs Hugging Face's mask creation as before: one with a mask, positions or a
-cache, with an argument outside ``_NEUTRAL``, with another attention implementation, chunked
-attention or sub-configs, with a sequence as long as the sliding window, or one traced by
-``torch.compile``.
-
-**Packed rows.** A row packed from several documents, as transformers' ``DataCollatorWithFlattening``
-makes it, carries ``position_ids`` that restart at 0 at each document and no ``attention_mask``.
-Hugging Face masks each document apart only when its mask creation looks for packed sequences, which
-it does for a call with positions, no 2-D mask and no cache. A call that leaves ``use_cache`` unset
-takes it from ``config.use_cache``, which is on by default: the model then builds an empty KV cache
-first, the check is skipped, and the documents attend to each other. ``separate_packed_documents``
-puts a forward pre-hook on the model that runs every call with ``position_ids``, no
-``attention_mask``, no cache and ``use_cache`` unset with ``use_cache=False``, whatever the config
-says (the config itself is left as it is, so ``save_pretrained`` writes it unchanged). GPT-OSS's
-decoder (transformers 5.17 to 5.25) hands its mask functions no positions at all, so it never sees
-packed documents: for such a call the hook builds its masks (full and sliding-window) with the same
-functions given the positions, and passes them in as the call's mask mapping, which that decoder
-accepts. A training forward (the model in train mode) that asks for a cache in such a call
-(``use_cache=True``, or a cache passed in) is refused, since its documents would attend to each other;
-an evaluation call that asks for one is Hugging Face's as before. The hook reads no tensor. The check
-for packing is transformers': one host read of the positions per mask built in a forward (one for
-most families; two where a full and a sliding-window mask are built in every forward, as for GPT-OSS
-and Qwen2-MoE), before the first layer, never per layer. The MoE layers see no padding in a packed row
-and route every token once.
+**Packed rows.** A row packed from several documents (transformers' ``DataCollatorWithFlattening``)
+carries ``position_ids`` that restart at 0 per document and no ``attention_mask``. Hugging Face masks
+each document apart only for a call with positions, no 2-D mask and no cache; but a call that leaves
+``use_cache`` unset takes ``config.use_cache`` (on by default), builds an empty KV cache first, and
+the documents attend to each other. ``separate_packed_documents``' pre-hook runs such calls with
+``use_cache=False`` (the config itself is left as it is, so ``save_pretrained`` writes it
+unchanged). GPT-OSS's decoder (transformers 5.17 to 5.25) hands its mask functions no positions at
+all: for it the hook builds the masks (full and sliding-window) with the same functions given the
+positions and passes them in as the call's mask mapping. A training forward that asks for a cache in
+such a call is refused, since its documents would attend to each other; an evaluation call is Hugging
+Face's as before. The hook reads no tensor; transformers' packing check costs one host read of the
+positions per mask built in a forward (two where a full and a sliding-window mask are built, as for
+GPT-OSS and Qwen2-MoE), never per layer.
 """
 
 from __future__ import annotations
@@ -80,10 +68,7 @@ _CACHES = ("cache", "past_key_values")  # the cache argument's name in transform
 # model_type -> the masks its decoder builds, by layer type, from transformers' functions that it calls
 # without the positions (GptOssModel, transformers 5.17 to 5.25), so that it never sees packed documents.
 _MASKS_BUILT_WITHOUT_POSITIONS: dict[str, tuple[tuple[str, str], ...]] = {
-    "gpt_oss": (
-        ("full_attention", "create_causal_mask"),
-        ("sliding_attention", "create_sliding_window_causal_mask"),
-    ),
+    "gpt_oss": (("full_attention", "create_causal_mask"), ("sliding_attention", "create_sliding_window_causal_mask"))
 }
 
 
@@ -157,14 +142,9 @@ def _register() -> None:
 
 def separate_packed_documents(model: nn.Module) -> bool:
     """Put the pre-hook of the module docstring's "Packed rows" on the innermost Hugging Face base
-    model of ``model`` (``MixtralModel`` inside ``MixtralForCausalLM``, inside a PEFT model too), so that
-    a packed row (``position_ids`` restarting per document, no ``attention_mask``) is masked per
-    document whatever ``config.use_cache`` says. Idempotent; reads no tensor.
-
-    Returns:
-        Whether the hook is in place: ``False`` when the model's forward takes no ``position_ids`` or
-        no ``use_cache``.
-    """
+    model of ``model`` (``MixtralModel`` inside ``MixtralForCausalLM``, inside a PEFT model too).
+    Idempotent; reads no tensor. Returns whether the hook is in place (``False`` when the model's
+    forward takes no ``position_ids`` or no ``use_cache``)."""
     base = _innermost_base_model(model)
     if getattr(base, _PACKING_PARAMETERS, None) is not None:
         return True
@@ -203,13 +183,11 @@ def _no_cache_for_packed_rows(module: nn.Module, args: tuple, kwargs: dict) -> t
             updates["attention_mask"] = _masks_from_positions(module, given, position_ids, masks)
         return _with_arguments(names, args, kwargs, updates)
     if module.training:
-        if cache is not None:
-            asked, fix = "a cache", "pass none (cache=None / past_key_values=None)"
-        else:
-            asked, fix = (
-                "use_cache=True",
-                "leave use_cache unset (the call then runs with use_cache=False) or pass False",
-            )
+        asked, fix = (
+            ("a cache", "pass none (cache=None / past_key_values=None)")
+            if cache is not None
+            else ("use_cache=True", "leave use_cache unset (the call then runs with use_cache=False) or pass False")
+        )
         raise ValueError(
             f"{type(module).__name__} was called in train mode with {asked}, position_ids and no attention_mask: "
             "with a KV cache transformers does not look for packed documents (position_ids restarting at 0), "

@@ -17,15 +17,12 @@ DEEPSEEK_V3 = register(
         name="deepseek_v3",
         model_types=("deepseek_v3", "glm4_moe"),
         block_classes=("DeepseekV3MoE", "Glm4MoeMoE"),
-        router_weight="gate.weight",
         score_correction_bias="gate.e_score_correction_bias",
         scoring="sigmoid",
-        top_k="num_experts_per_tok",
         normalize_weights="norm_topk_prob",
         n_group="n_group",
         topk_group="topk_group",
         routed_scaling_factor="routed_scaling_factor",
-        activation="hidden_act",
         shared_experts="shared_experts",
     )
 )

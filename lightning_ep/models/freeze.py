@@ -9,26 +9,15 @@ from lightning_ep.moe.layer import MoELayer
 
 def freeze_routers(model: nn.Module) -> list[str]:
     """Stop every MoE router of ``model`` from training: its ``weight`` (and logit ``bias``) no longer
-    require grad, so no optimizer updates them.
-
-    A frozen router routes as before; its layer still computes and reports the balancing losses
-    (``aux_loss``, ``z_loss``, logged as usual) but attaches none to the gradients, and its
-    ``"balanced"`` expert bias (or the model's own ``e_score_correction_bias``) counts no load and so
-    stays where it is (see ``TopKRouter.frozen``). Call it on the Hugging Face model before or after
-    ``lightning_ep.transform`` (e.g. in ``configure_model``), or on a PEFT model. Routers frozen by
-    other means (a PEFT model whose routers are not among its trained modules) behave the same.
-
-    Returns:
-        the names of the parameters it froze.
-    Raises:
-        ValueError: ``model`` holds no MoE router of a supported family.
+    require grad. A frozen router routes as before; its layer still reports the balancing losses but
+    attaches none to the gradients, and its selection bias (``"balanced"``'s or
+    ``e_score_correction_bias``) stays where it is (``TopKRouter.frozen``). Call it before or after
+    ``lightning_ep.transform``, or on a PEFT model. Returns the names of the parameters it froze;
+    raises ``ValueError`` when ``model`` holds no MoE router of a supported family.
     """
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
     routers: list[tuple[str, nn.Module]]
-    if layers:
-        routers = [(f"{name}.{m.child_names['gate']}", m.gate) for name, m in layers]
-    else:
-        routers = _hf_routers(model)
+    routers = [(f"{name}.{m.child_names['gate']}", m.gate) for name, m in layers] if layers else _hf_routers(model)
     frozen = []
     for prefix, router in routers:
         for name, parameter in router.named_parameters():

@@ -14,11 +14,8 @@ from lightning_ep.moe.layer import MoELayer
 
 
 class GptOssMoELayer(MoELayer):
-    """``MoELayer`` returning a pair, as ``GptOssDecoderLayer`` unpacks ``hidden, _ = self.mlp(hidden)``.
-
-    The second item, Hugging Face's top-k router scores, is discarded by every caller in
-    transformers; it is ``None`` here.
-    """
+    """``MoELayer`` returning a pair, as ``GptOssDecoderLayer`` unpacks ``hidden, _ = self.mlp(hidden)``;
+    the second item (Hugging Face's router scores, which every caller discards) is ``None``."""
 
     def forward(self, hidden_BSH: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return super().forward(hidden_BSH), None
@@ -32,13 +29,8 @@ GPT_OSS = register(
         router_weight="router.weight",
         router_bias="router.bias",
         scoring="topk_softmax",
-        top_k="num_experts_per_tok",
         normalize_weights=False,
         expert_layout="interleaved",
-        gate_up_proj="experts.gate_up_proj",
-        down_proj="experts.down_proj",
-        swiglu_alpha="experts.alpha",
-        swiglu_limit="experts.limit",
         layer_class=GptOssMoELayer,
     )
 )

@@ -1,25 +1,20 @@
 """What a transformed model keeps of Hugging Face's behaviour: weight init, router logits, the experts
 implementation switch, and a clear refusal of transformers' own expert parallelism.
 
-``MoELayer`` replaces a Hugging Face MoE block by modules of this library (``TopKRouter``, the routed
-experts). Hugging Face code still calls into the model in four ways that reach those modules, and each
-is kept working here:
+Hugging Face code still reaches the modules that replace a MoE block (``TopKRouter``, the routed
+experts) in four ways, each kept working here:
 
-- **Weight init.** ``model.init_weights()``, ``post_init`` and ``from_pretrained`` of missing weights
-  call the model's ``_init_weights(module)``, which recognises Hugging Face's classes only. Each
+- **Weight init.** The model's ``_init_weights(module)`` recognises Hugging Face's classes only. Each
   replacing module keeps an empty *shell* of the module it replaced (same class and attributes, no
-  tensors); the model's ``_init_weights`` is wrapped so that for one of ours it runs Hugging Face's own
-  code on the shell with our parameters lent to it: the very same initialisation, in the same order.
-- **Router logits.** ``output_router_logits=True`` collects each layer's ``[T, E]`` router logits with
-  forward hooks on the router class, which is gone; each ``MoELayer`` passes its logits through a
-  small identity module (``MoELayer.router_logits``) on which the same hook is installed, so
-  ``outputs.router_logits`` and Hugging Face's own ``aux_loss`` come back as before.
+  tensors), and ``_init_weights`` is wrapped to run Hugging Face's own code on the shell with our
+  parameters lent to it: the very same initialisation, in the same order.
+- **Router logits.** ``output_router_logits=True`` hooks the router class, which is gone; each
+  ``MoELayer`` passes its ``[T, E]`` logits through an identity module (``MoELayer.router_logits``)
+  carrying the same hook, so ``outputs.router_logits`` and Hugging Face's ``aux_loss`` come back.
 - **Experts implementation.** ``transform`` sets ``config._experts_implementation = "lightning_ep"``
-  (registered with transformers' ``ExpertsInterface``): the layers run this library's experts. After
-  ``model.set_experts_implementation(name)`` with one of transformers' names (``"eager"``,
-  ``"grouped_mm"``, ``"batched_mm"``, ...) they run that implementation on their own weights (one
-  process, dropless; refused under expert parallelism or a capacity), and
-  ``set_experts_implementation("lightning_ep")`` switches back.
+  (registered with transformers' ``ExpertsInterface``). After ``model.set_experts_implementation``
+  with one of transformers' names (``"eager"``, ``"grouped_mm"``, ...) the layers run that on their
+  own weights (one process, dropless; refused under expert parallelism or a capacity).
 - **Expert parallelism.** transformers' own (``DistributedConfig(ep_size=...)``) cannot be combined
   with this library's: refused with the fix, before or after ``transform``.
 """
@@ -42,9 +37,8 @@ _ROUTER_LOGITS = "router_logits"
 
 
 class Replaced:
-    """The Hugging Face module a module of this library replaced, as an empty shell: its class and
-    plain attributes (config, activation, flags), without parameters or buffers, so that it holds no
-    memory. ``lent`` fills it with a module's own tensors for one call."""
+    """The Hugging Face module a module of this library replaced, as an empty shell: its class and plain
+    attributes, no parameters or buffers. ``lent`` fills it with a module's own tensors for one call."""
 
     def __init__(self, module: nn.Module) -> None:
         shell = module.__class__.__new__(module.__class__)
@@ -141,9 +135,7 @@ def _only_inside_moe_layers(experts: nn.Module, *args: Any, **kwargs: Any) -> to
 class TransformersExperts:
     """transformers' experts forward of the shell ``replaced``, on a ``RoutedExperts`` module's weights:
     ``(experts, x_TH, ids_TK, weights_TK) -> [T, H]``, dropless, all experts on this process. Active
-    while the model's ``config._experts_implementation`` names one of transformers' implementations
-    (``set_experts_implementation("eager" | "grouped_mm" | "batched_mm" | ...)``) instead of
-    ``"lightning_ep"``."""
+    while ``config._experts_implementation`` names one of transformers' implementations."""
 
     def __init__(self, replaced: Replaced) -> None:
         self.replaced = replaced
@@ -158,9 +150,8 @@ class TransformersExperts:
         return self.implementation != EXPERTS_IMPLEMENTATION
 
     def check_runs_in(self, layer: MoELayer) -> None:
-        """transformers' experts implementations are dropless and hold every expert: refuse them in a
-        layer that splits its experts across ranks or bounds them by a capacity, and on experts with
-        LoRA adapters, which they would leave out."""
+        """Refuse transformers' implementations (dropless, every expert) on a layer that splits its experts
+        or bounds them by a capacity, and on experts with LoRA adapters, which they would leave out."""
         if getattr(layer.experts, "lora_scaling", None):
             raise ValueError(
                 f"MoE layer {layer.layer_index}: the model's config._experts_implementation is "

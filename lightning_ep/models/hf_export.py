@@ -54,46 +54,35 @@ def export_hf(
     ``source`` is one of:
 
     - a live model, sharded or not (the Hugging Face model, or a ``LightningModule`` holding it).
-      Under an initialised process group every rank must call ``export_hf``: the full state dict is
-      gathered to rank 0's CPU (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``),
-      rank 0 writes and then tells the other ranks, which wait for it (an error on rank 0 is raised
-      on every rank).
-    - a checkpoint written by Lightning's ``ModelParallelStrategy.save_checkpoint`` (and so by
-      ``ExpertParallelStrategy``): a directory of ``torch.distributed.checkpoint`` files (sharded;
-      ``.metadata``, ``*.distcp``, ``meta.pt``) whose top-level ``"state_dict"`` holds the
-      ``LightningModule``'s keys, or a single ``torch.save`` file with a ``"state_dict"`` entry
-      (full). A DCP directory without ``"state_dict"`` is read as a plain model state dict. It is
-      read on one process, no process group needed (DCP's ``no_dist`` load); the file with
-      ``torch.load(weights_only=True, mmap=True)``. Optimizer states are not read.
+      Under a process group every rank must call ``export_hf``: the full state dict is gathered to
+      rank 0's CPU, rank 0 writes, and an error on rank 0 is raised on every rank.
+    - a checkpoint written by Lightning's ``ModelParallelStrategy.save_checkpoint`` (so by
+      ``ExpertParallelStrategy``): a sharded DCP directory (``.metadata``, ``*.distcp``, ``meta.pt``;
+      without a top-level ``"state_dict"`` it is read as a plain model state dict) or a full
+      ``torch.save`` file, read on one process without a process group (the file with
+      ``torch.load(weights_only=True, mmap=True)``). Optimizer states are not read.
     - a state dict, or a checkpoint dict with a ``"state_dict"`` entry.
 
     Keys are ``prefix`` + the Hugging Face names with global shapes, e.g. ``"model."`` +
-    ``"model.layers.0.mlp.experts.gate_up_proj"`` (``[E, 2I, H]``) for a ``LightningModule`` whose
-    ``self.model`` is the ``MixtralForCausalLM``. Keys outside the prefix are ignored.
+    ``"model.layers.0.mlp.experts.gate_up_proj"`` (``[E, 2I, H]``); keys outside the prefix are
+    ignored. This library's ``gate.expert_bias`` buffers (``"balanced"`` mode) are dropped, since the
+    Hugging Face router has no such bias: where one is non-zero, some selections may change, and a
+    warning says so.
 
-    This library's ``gate.expert_bias`` buffers (``moe_load_balancing="balanced"``) are dropped:
-    the Hugging Face router has no such bias, so the exported model picks experts by the unbiased
-    router probabilities, as ``"none"`` mode does. Where a bias is non-zero this can change some
-    selections and hence the outputs; a warning says so.
-
-    The Hugging Face model is built from the config on the meta device, takes the tensors
-    (``load_state_dict(strict=True, assign=True)``, re-tying tied embeddings) and is written with
-    ``save_pretrained``, which splits fused experts back into the family's per-expert on-disk keys
-    (Mixtral: ``block_sparse_moe.experts.{e}.w1/w2/w3.weight``). Tokenizer and generation files of
-    ``hf_config_or_folder`` are copied along. When that config is of a quantized release (FP8,
-    MXFP4), the folder holds the weights in bf16 and a config without ``quantization_config``.
+    The model is built from the config on the meta device, takes the tensors (``strict``, re-tying
+    tied embeddings) and is written with ``save_pretrained`` (per-expert on-disk keys where the family
+    has them), with the tokenizer and generation files of ``hf_config_or_folder``; a model of a
+    quantized release (FP8, MXFP4) in bf16, without ``quantization_config``.
 
     Args:
-        source: a model, a state dict, or a checkpoint path (see above).
         out_dir: the folder to write (created if needed).
         hf_config_or_folder: the ``PretrainedConfig`` the model was built from, its ``config.json``,
             or the Hugging Face folder holding it.
         prefix: what precedes the Hugging Face names in the keys (``"model."`` for ``self.model``);
-            ``None`` detects it: the prefix under which the most keys are names of the config's model.
+            ``None`` detects it (``detect_prefix``).
         lora_config: for a run of a PEFT LoRA model, its ``LoraConfig`` (or its JSON, dict, or an adapter
-            folder): the adapter is merged into the weights by PEFT's ``merge_and_unload`` and the
-            folder holds the plain Hugging Face model (``lightning_ep.models.lora_export``). ``None``
-            takes a live model's own; ``python -m lightning_ep.export`` reads a checkpoint's.
+            folder): the adapter is merged by PEFT's ``merge_and_unload`` (``models.lora_export``).
+            ``None`` takes a live model's own; ``python -m lightning_ep.export`` reads a checkpoint's.
         merge_lora: ``False`` writes the base model of a LoRA run instead, without its adapter
             (PEFT's ``unload``), e.g. for ``PeftModel.from_pretrained`` beside an exported adapter.
     Returns:
@@ -102,9 +91,8 @@ def export_hf(
         TypeError: ``source`` or ``hf_config_or_folder`` has an unsupported type.
         FileNotFoundError: a path that does not exist.
         NotADirectoryError: ``out_dir`` is an existing file (``save_pretrained`` would write nothing).
-        ValueError: a directory that is not a DCP checkpoint, a file ``torch.load`` refuses with
-            ``weights_only=True``, a prefix that matches no key or an ambiguous one, or keys and
-            shapes that do not match the config.
+        ValueError: a directory that is not a DCP checkpoint, a file ``torch.load(weights_only=True)``
+            refuses, a wrong or ambiguous prefix, or keys and shapes that do not match the config.
         RuntimeError: on ranks other than 0, when rank 0 failed.
     """
     out_dir = Path(out_dir)
@@ -134,9 +122,8 @@ def export_hf(
 
 
 def write_on_rank_zero(write: Callable[[], None], name: str) -> None:
-    """Run ``write`` on rank 0 (or in a process alone), then tell every rank how it went (one
-    broadcast): rank 0 raises its own error, the other ranks a ``RuntimeError`` that names ``name``
-    and quotes it, so that no rank returns as if the folder had been written."""
+    """Run ``write`` on rank 0 (or in a process alone), then broadcast how it went: rank 0 raises its own
+    error, the other ranks a ``RuntimeError`` naming ``name`` and quoting it."""
     distributed = dist.is_available() and dist.is_initialized()
     error: BaseException | None = None
     if not distributed or dist.get_rank() == 0:
@@ -154,8 +141,7 @@ def write_on_rank_zero(write: Callable[[], None], name: str) -> None:
 
 
 def _check_out_dir(out_dir: Path) -> None:
-    """Refuse an ``out_dir`` that is, or lies under, an existing file: ``save_pretrained`` only logs
-    the first case and returns, so the caller would think the folder was written."""
+    """Refuse an ``out_dir`` that is, or lies under, an existing file (``save_pretrained`` only logs it)."""
     existing = next((p for p in (out_dir, *out_dir.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         where = "" if existing == out_dir else f" lies under {str(existing)!r}, which"
@@ -238,8 +224,8 @@ def _read_checkpoint(source: Mapping[str, Any] | PathLike) -> dict[str, Any]:
 
 
 def _read_dcp(path: Path) -> dict[str, Any]:
-    """The tensors of a DCP checkpoint's ``"state_dict"`` (or of a plain model state dict), loaded
-    full on this process without a process group."""
+    """The tensors of a DCP checkpoint's ``"state_dict"`` (or of a plain model state dict), loaded whole
+    without a process group."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -295,11 +281,8 @@ def _write_folder(
 
 
 def detect_prefix(keys: list[str] | set[str], hf_keys: Mapping[str, Any] | set[str]) -> str:
-    """The prefix ``p`` such that the most ``keys`` are ``p + name`` with ``name`` in ``hf_keys``.
-
-    ``p`` is empty or ends with a dot. Raises ``ValueError`` when no key matches, or when several
-    prefixes match equally many (e.g. a module holding the model twice).
-    """
+    """The prefix ``p`` (empty or ending with a dot) such that the most ``keys`` are ``p + name`` with
+    ``name`` in ``hf_keys``; ``ValueError`` when no key matches or several prefixes tie."""
     counts: Counter[str] = Counter()
     for key in keys:
         for start in (0, *(i + 1 for i, ch in enumerate(key) if ch == ".")):
@@ -363,11 +346,8 @@ def _check_keys(
         if tuple(state[k].shape) != expected[k]
     ]
     if missing or unexpected or mismatched:
-        source = (
-            "a PretrainedConfig"
-            if not isinstance(hf_config_or_folder, (str, os.PathLike))
-            else repr(str(hf_config_or_folder))
-        )
+        is_path = isinstance(hf_config_or_folder, (str, os.PathLike))
+        source = repr(str(hf_config_or_folder)) if is_path else "a PretrainedConfig"
         raise ValueError(
             f"export_hf: the checkpoint does not match the {config.model_type} model of "
             f"hf_config_or_folder={source}: {len(missing)} missing (e.g. {missing[:3]}), "

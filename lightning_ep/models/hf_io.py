@@ -1,13 +1,9 @@
 """Hugging Face checkpoints in and out of expert-parallel, FSDP2-sharded models.
 
-- ``load_pretrained_sharded(model, folder)``: every rank reads from a Hugging Face folder, as
-  ``save_pretrained`` writes it or as a publisher ships it (per-expert keys, FP8 block-scaled
-  weights, MXFP4 experts, extra multi-token-prediction layers), only the blocks its own shards hold,
-  dequantizing them into the model's dtype. Names and fusion follow transformers' own conversion
-  rules; ``hf_layout`` maps the folder onto the model, ``hf_stored`` reads its tensors,
-  ``quantized`` holds the formats.
-- ``export_hf(source, out_dir, hf_config_or_folder=...)`` (defined in ``hf_export``): a live
-  sharded model, a Lightning checkpoint (sharded DCP directory or full file) or a state dict,
+- ``load_pretrained_sharded(model, folder)``: every rank reads only the blocks its own shards hold
+  from a Hugging Face folder; ``hf_layout`` maps the folder onto the model, ``hf_stored`` reads its
+  tensors, ``quantized`` holds the formats.
+- ``export_hf`` (defined in ``hf_export``): a live model, a Lightning checkpoint or a state dict,
   written as a folder that ``AutoModelForCausalLM.from_pretrained`` loads on one process.
 
 Legend: E experts, I expert intermediate size, H hidden size; a fused expert weight is
@@ -47,43 +43,31 @@ class _Read:
 @torch.no_grad()
 def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
     """Fill a sharded model's weights from a Hugging Face folder, each rank reading only the blocks of
-    the shards it holds.
-
-    ``model`` is typically built on the meta device, then ``lightning_ep.transform(model, config,
-    mesh=mesh)``, ``lightning_ep.shard_model(model, mesh)`` and
-    ``lightning_ep.models.init.materialize(model, device)``: its parameters are DTensors placed
-    ``Shard``/``Replicate`` on their meshes (dense ``Shard(0)`` over ``"shard"`` or
-    ``("replicate", "shard")``; experts ``Shard(1)`` on ``edp`` and ``Shard(0)`` on ``ep``, uneven
-    shards included). Plain (unsharded) tensors are filled whole, so one process works too.
+    the shards it holds (DTensors placed ``Shard`` / ``Replicate``, uneven shards included; plain
+    tensors are filled whole, so one process works too).
 
     The folder may be laid out as its publisher ships it:
 
-    - per-expert keys (Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``, the Qwen/OLMoE/DeepSeek/
-      GLM ``mlp.experts.{e}.gate_proj/up_proj/down_proj``) or fused ones; names and fusion come
-      from transformers' conversion rules for the model (``hf_layout``);
-    - FP8 weights with per-block ``weight_scale_inv`` (``quantization_config.weight_block_size``,
-      partial last blocks, fp32 or E8M0 scales) and MXFP4 experts (``*_blocks`` / ``*_scales``,
-      GPT-OSS's transposed layout), dequantized on the rank that owns the block, into the model's
-      dtype, at most ``CHUNK_BYTES`` of rows at a time;
-    - weights transformers ignores for the architecture (multi-token-prediction layers past
-      ``num_hidden_layers``, the class's ``_keys_to_ignore_on_load_unexpected``): skipped, and
-      named in one warning on rank 0.
+    - per-expert keys (Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``) or fused ones, named and
+      fused by transformers' conversion rules for the model (``hf_layout``);
+    - FP8 weights with per-block ``weight_scale_inv`` and MXFP4 experts (``*_blocks`` / ``*_scales``),
+      dequantized on the rank that owns the block into the model's dtype, at most ``CHUNK_BYTES`` of
+      rows at a time;
+    - weights transformers ignores for the architecture (multi-token-prediction layers, the class's
+      ``_keys_to_ignore_on_load_unexpected``): skipped, and named in one warning on rank 0.
 
-    For every parameter and persistent buffer, the rank computes its local block's global offset
-    from the mesh and placements and reads exactly that block with ``safetensors``' ``get_slice``
-    (and the scales covering it). Besides its own shards, a rank's host memory holds the block being
-    read and at most ``hf_stored.Opener.MAPPED_BYTES`` of mapped file pages, never the full model or
-    a full tensor. No collective is called. Tied weights are read once; this library's
-    ``expert_bias`` buffers keep their values (Hugging Face checkpoints have none); PEFT LoRA
-    factors keep their initial values.
+    Each rank reads exactly its local block of every parameter and persistent buffer (and the scales
+    covering it) with ``safetensors``' ``get_slice``; its host memory holds the block being read and
+    at most ``hf_stored.Opener.MAPPED_BYTES`` of mapped file pages, never a full tensor. No collective
+    is called. Tied weights are read once; ``expert_bias`` buffers and PEFT LoRA factors keep their
+    values.
 
     Args:
-        model: a materialised Hugging Face model, sharded or not, transformed or not, wrapped by
-            PEFT's LoRA or not.
-        folder: a Hugging Face folder (``model.safetensors``, or shard files with
+        model: a materialised Hugging Face model, sharded or not, transformed or not, PEFT's or not.
+        folder: a Hugging Face folder (``model.safetensors``, or shards with
             ``model.safetensors.index.json``) of a model with the same config.
     Returns:
-        ``model``, its weights equal to the folder's (dequantized where the folder is quantized).
+        ``model``, its weights equal to the folder's (dequantized).
     Raises:
         FileNotFoundError: ``folder`` is not a directory.
         ValueError: no safetensors weights in ``folder``; its ``config.json`` names another
@@ -128,8 +112,8 @@ def _check_model_type(model: nn.Module, folder: Path) -> None:
 
 
 def _tensors_to_load(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """State-dict entries grouped by tensor identity (tied weights: one tensor, several names),
-    without this library's buffers, which Hugging Face checkpoints do not have."""
+    """State-dict entries grouped by tensor identity (tied weights: several names), without this
+    library's buffers and LoRA factors, which Hugging Face folders do not have."""
     library = {name for name, _ in model.named_buffers() if name.rpartition(".")[2] in LIBRARY_BUFFERS}
     groups: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -143,14 +127,12 @@ _PEFT_PREFIX = "base_model.model."
 
 
 def _is_adapter(name: str) -> bool:
-    """A PEFT LoRA factor (``q_proj.lora_A.default.weight``, an expert's ``gate_up_proj_lora_A``):
-    not in a base model's folder; it keeps its initial values."""
+    """A PEFT LoRA factor (``q_proj.lora_A.default.weight``, an expert's ``gate_up_proj_lora_A``)."""
     return any(part.startswith("lora_") or "_lora_" in part for part in name.split("."))
 
 
 def _base_name(name: str) -> str:
-    """The Hugging Face name of a parameter of a PEFT-wrapped model: without PEFT's
-    ``base_model.model.`` prefix and the ``base_layer`` its LoRA layers wrap."""
+    """The Hugging Face name of a PEFT-wrapped model's parameter (no ``base_model.model.``, ``base_layer``)."""
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX) :]
     return name.replace(".base_layer.", ".")
@@ -266,8 +248,7 @@ def _report_ignored(found: FolderLayout) -> None:
 
 
 def _read_all(reads: list[_Read]) -> None:
-    """Run the reads in file order, each block dequantized (where stored quantized) into its
-    destination's dtype, at most ``CHUNK_BYTES`` of rows at a time."""
+    """Run the reads in file order, at most ``CHUNK_BYTES`` of rows at a time."""
     opener = Opener()
     try:
         for read in sorted(reads, key=lambda r: (str(r.source.stored[0].file), r.source.stored[0].key)):

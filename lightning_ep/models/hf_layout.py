@@ -1,19 +1,15 @@
 """Where each weight of a Hugging Face model lives in a published folder, and how it is encoded.
 
-A folder as a publisher ships it differs from the model's state dict in three ways, and this module
-resolves all three from the folder's safetensors headers (``safe_open``; no tensor data is read):
+Resolved from the folder's safetensors headers alone (no tensor data is read):
 
-- **Names and fusion** come from transformers' own conversion rules for the model
-  (``conversion_mapping.get_model_conversion_mapping``): its renamings (Mixtral's
-  ``block_sparse_moe`` -> ``mlp``) and its converters that stack per-expert matrices
-  (``MergeModulelist(dim=0)``) and concatenate gate and up (``Concatenate(dim=1)``), e.g.
-  ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight`` -> rows of ``mlp.experts.gate_up_proj[e]``.
-- **Encodings** (``lightning_ep.models.quantized``): a plain tensor; a block-scaled FP8 weight with
-  its ``weight_scale_inv``; MXFP4 ``<name>_blocks`` / ``<name>_scales``.
-- **Keys the model does not use** and transformers ignores for that architecture: the
-  multi-token-prediction layers stored as ``model.layers.{n}.*`` for ``n >= num_hidden_layers``
-  (DeepSeek-V3, GLM-4.5/4.6: ``num_nextn_predict_layers``), what the model class lists in
-  ``_keys_to_ignore_on_load_unexpected``, and a static FP8 scheme's activation scales.
+- **Names and fusion**, by transformers' own conversion rules for the model
+  (``get_model_conversion_mapping``): its renamings (Mixtral's ``block_sparse_moe`` -> ``mlp``) and
+  its converters that stack per-expert matrices (``MergeModulelist(dim=0)``) and concatenate gate
+  and up (``Concatenate(dim=1)``).
+- **Encodings** (``hf_stored``): plain, block-scaled FP8, MXFP4.
+- **Keys the model does not use** and transformers ignores: multi-token-prediction layers past
+  ``num_hidden_layers`` (DeepSeek-V3, GLM-4.5/4.6), the class's ``_keys_to_ignore_on_load_unexpected``,
+  and a static FP8 scheme's activation scales.
 
 The result maps every state-dict name to a ``Whole`` stored tensor or to ``Stacked`` per-expert
 parts; ``hf_io.load_pretrained_sharded`` reads from it only the blocks a rank holds.
@@ -108,8 +104,7 @@ class _Rules:
 
 
 def _expert_and_part(key: str, converter: Any, pattern: str) -> tuple[int, int]:
-    """The expert and part of a per-expert key, after checking that the converter only stacks
-    experts (``MergeModulelist(dim=0)``) and concatenates parts on rows (``Concatenate(dim=1)``)."""
+    """The expert and part of a per-expert key, once the converter is checked to only stack and concatenate."""
     ops = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(converter, "operations", [])]
     if ops not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
         raise ValueError(
@@ -126,9 +121,7 @@ def _expert_and_part(key: str, converter: Any, pattern: str) -> tuple[int, int]:
 
 
 def _ignorable(name: str, hf_model: nn.Module) -> str | None:
-    """Why transformers ignores a folder key the model has no parameter for, or ``None``: the class's
-    own ``_keys_to_ignore_on_load_unexpected`` first, then layers past ``num_hidden_layers`` of a config
-    with multi-token prediction."""
+    """Why transformers ignores a folder key the model has no parameter for, or ``None``."""
     patterns = list(getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or [])
     if any(re.search(p, name) for p in [*patterns, r"rotary_emb\.inv_freq"]):
         return f"weights {type(hf_model).__name__} lists in _keys_to_ignore_on_load_unexpected"
@@ -141,12 +134,9 @@ def _ignorable(name: str, hf_model: nn.Module) -> str | None:
 
 
 def layout(hf_model: nn.Module, folder: Path, names: Iterable[str]) -> FolderLayout:
-    """Map the folder's weights onto ``names`` (state-dict names of ``hf_model``, PEFT prefixes removed).
-
-    Raises:
-        ValueError: a folder without safetensors weights, scales that do not fit their weight, a
-            conversion this loader does not apply, or per-expert parts with gaps.
-    """
+    """Map the folder's weights onto ``names`` (state-dict names of ``hf_model``, PEFT prefixes removed);
+    ``ValueError`` for a folder without safetensors weights, scales that do not fit their weight, a
+    conversion this loader does not apply, or per-expert parts with gaps."""
     wanted = dict.fromkeys(names)
     encoded, activation_scales = encode(stored_tensors(folder), quantization_config(folder))
     rules = _Rules.of(hf_model)

@@ -1,13 +1,5 @@
-"""How a Hugging Face folder stores its tensors: files, keys and encodings, read one block at a time.
-
-- ``Stored``: one tensor of a safetensors file (file, key, shape, dtype name), from its header.
-- ``Opener``: reads a block of a stored tensor with ``safe_open(...).get_slice`` (memory-mapped),
-  unmapping a file after ``MAPPED_BYTES`` of reads.
-- Encodings, each with the ``shape`` the model sees and ``read(opener, box, dtype)``: ``Plain`` (as
-  stored), ``BlockFP8`` (a weight and its per-block ``weight_scale_inv``), ``MXFP4`` (``*_blocks`` and
-  ``*_scales``, used transposed); the formats themselves are in ``lightning_ep.models.quantized``.
-- ``encode``: pairs the stored tensors of a folder into those encodings.
-"""
+"""How a Hugging Face folder stores its tensors (``Stored``), read one block at a time (``Opener``),
+and their encodings (``Plain``, ``BlockFP8``, ``MXFP4``; the formats are in ``models.quantized``)."""
 
 from __future__ import annotations
 
@@ -41,12 +33,9 @@ class Stored:
 
 
 class Opener:
-    """Reads blocks of stored tensors with ``safe_open(...).get_slice`` (memory-mapped).
-
-    A file stays open across reads until the bytes read through it pass ``MAPPED_BYTES`` or another
-    file is read; it is then closed, which unmaps the pages the reads touched. So besides the block
-    being read, a rank's resident memory holds at most about ``MAPPED_BYTES`` of the folder.
-    """
+    """Reads blocks of stored tensors with ``safe_open(...).get_slice`` (memory-mapped). A file stays
+    open until the bytes read through it pass ``MAPPED_BYTES`` or another file is read; closing it
+    unmaps the pages read, so a rank holds at most about ``MAPPED_BYTES`` of the folder at a time."""
 
     MAPPED_BYTES = 256 << 20
 
@@ -112,11 +101,7 @@ class BlockFP8:
     def read(self, opener: Opener, box: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
         (br, bc), rows, cols = self.block, box[-2], box[-1]
         values = opener.read(self.data, box)
-        grid = (
-            *box[:-2],
-            slice(rows.start // br, -(-rows.stop // br)),
-            slice(cols.start // bc, -(-cols.stop // bc)),
-        )
+        grid = (*box[:-2], slice(rows.start // br, -(-rows.stop // br)), slice(cols.start // bc, -(-cols.stop // bc)))
         scale = opener.read(self.scale, grid)
         return dequantize_fp8_block(values, scale, self.block, (rows.start, cols.start), dtype)
 
@@ -181,9 +166,8 @@ def quantization_config(folder: Path) -> dict[str, Any]:
 
 
 def encode(tensors: Mapping[str, Stored], quant: Mapping[str, Any]) -> tuple[dict[str, Encoded], list[str]]:
-    """The folder's tensors as logical values: each weight with its scales (a key the model would use,
-    e.g. ``x.weight`` for ``x.weight`` + ``x.weight_scale_inv``). Also returns the static activation
-    scales, which the model does not use."""
+    """The folder's tensors as logical values, each weight with its scales under the weight's key
+    (``x.weight`` for ``x.weight`` + ``x.weight_scale_inv``), and the unused static activation scales."""
     encoded: dict[str, Encoded] = {}
     activation_scales: list[str] = []
     block = quant.get("weight_block_size")

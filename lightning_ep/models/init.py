@@ -10,18 +10,13 @@ from lightning_ep.moe.experts.grouped import RoutedExperts
 from lightning_ep.moe.routing.router import TopKRouter
 
 
-def _std(model: nn.Module) -> float:
-    config = getattr(model, "config", None)
-    return float(getattr(config, "initializer_range", None) or 0.02)
-
-
 @torch.no_grad()
 def init_moe_weights(model: nn.Module) -> None:
     """Initialise every MoE router and expert weight as Hugging Face does for its own classes:
     ``normal(0, initializer_range)`` for weights and the router's logit bias (GPT-OSS), zeros for
     expert biases and for the selection bias (``"balanced"``'s ``expert_bias``, DeepSeek's
     ``e_score_correction_bias``). Works on DTensors."""
-    std = _std(model)
+    std = float(getattr(getattr(model, "config", None), "initializer_range", None) or 0.02)
     for module in model.modules():
         if isinstance(module, TopKRouter):
             nn.init.normal_(module.weight, mean=0.0, std=std)
@@ -43,12 +38,10 @@ def init_moe_weights(model: nn.Module) -> None:
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """Allocate a meta-device (possibly sharded) model on ``device`` and initialise every weight.
-
-    Dense modules get Hugging Face's own ``initialize_weights`` (linear, embedding, norms, rotary
-    buffers); MoE layers get ``init_moe_weights``; LoRA factors (PEFT's and the experts') get PEFT's
-    initialisation of a new adapter (``models.peft_lora.reset_lora_parameters``). Ranks must share
-    the torch seed so that replicated values agree (DTensor random ops keep shards consistent on CUDA).
+    """Allocate a meta-device (possibly sharded) model on ``device`` and initialise every weight. Dense
+    modules get Hugging Face's own ``initialize_weights``, MoE layers ``init_moe_weights``, LoRA
+    factors PEFT's initialisation (``models.peft_lora.reset_lora_parameters``). Ranks must share the
+    torch seed so that replicated values agree.
     """
     model.to_empty(device=device)
     for module in model.modules():
@@ -72,13 +65,10 @@ def materialize_if_meta(
     model: nn.Module, device: torch.device | str, pretrained_dtype: torch.dtype | None = None
 ) -> nn.Module:
     """``materialize`` ``model`` if it has meta tensors, then read the weights of a model built by
-    ``lightning_ep.models.pretrained.from_pretrained`` from its folder (each rank only its own
-    shards, see ``load_pretrained_sharded``); a model with no meta tensor is left as it is.
-
-    ``pretrained_dtype``: the floating dtype a pretrained model's parameters take before they are
-    allocated and read (a cast on the meta device, free), whatever dtype its folder's config names:
-    the strategy passes fp32 for ``bf16-mixed`` and ``32-true`` (the optimizer's master weights) and
-    bf16 for ``bf16-true``. ``None`` keeps the config's dtype."""
+    ``models.pretrained.from_pretrained`` from its folder (each rank its own shards,
+    ``load_pretrained_sharded``); a model with no meta tensor is left as it is. ``pretrained_dtype``:
+    the floating dtype a pretrained model's parameters take before allocation (a free cast on the meta
+    device), whatever its config names; ``None`` keeps the config's."""
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return model
     from lightning_ep.models.pretrained import PRETRAINED_ATTR

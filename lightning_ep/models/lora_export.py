@@ -1,11 +1,9 @@
 """PEFT out: a LoRA run, live or checkpointed, as a PEFT adapter folder or as a merged Hugging Face folder.
 
-The state dict of a transformed PEFT model keeps PEFT's names for everything but the experts: there
-the base weights lose the ``base_layer.`` steps of PEFT's nested ``ParamWrapper``s
-(``experts.gate_up_proj``) and the factors are ``experts.<weight>_lora_A [E, r, in]`` /
-``_lora_B [E, out, r]`` (see ``lightning_ep.models.peft_lora``). ``peft_state`` turns such a state into
-the state dict of the PEFT model that ``get_peft_model(base, lora_config)`` builds, keys and layouts,
-so that PEFT itself writes the adapter (``save_pretrained``) and merges it (``merge_and_unload``).
+A transformed PEFT model's state dict keeps PEFT's names except at the experts (``models.peft_lora``:
+base weights without ``base_layer.``, factors ``experts.<weight>_lora_A [E, r, in]`` / ``_lora_B
+[E, out, r]``). ``peft_state`` turns it into the state dict of ``get_peft_model(base, lora_config)``,
+keys and layouts, so that PEFT itself writes the adapter and merges it (``merge_and_unload``).
 """
 
 from __future__ import annotations
@@ -87,12 +85,9 @@ def _our_names(peft_model: Any) -> dict[str, tuple[str, str | None]]:
 def peft_state(
     state: Mapping[str, Any], peft_model: Any, prefix: str | None, *, adapter_only: bool
 ) -> dict[str, torch.Tensor]:
-    """``state`` (a transformed PEFT model's full state dict, its keys under ``prefix``) as the
-    state dict of ``peft_model``; ``adapter_only``: the LoRA factors only.
-
-    Raises:
-        ValueError: keys or shapes that do not match ``peft_model`` (another model or LoRA config).
-    """
+    """``state`` (a transformed PEFT model's full state dict, its keys under ``prefix``) as the state dict
+    of ``peft_model`` (``adapter_only``: the LoRA factors only); ``ValueError`` on keys or shapes that
+    do not match it."""
     from lightning_ep.models.hf_export import detect_prefix
 
     names = _our_names(peft_model)
@@ -133,32 +128,17 @@ def export_lora_adapter(
     prefix: str | None = None,
 ) -> Path:
     """Write the LoRA adapter of a run in PEFT's format (``adapter_config.json`` and
-    ``adapter_model.safetensors``, PEFT's own ``save_pretrained``), which
-    ``PeftModel.from_pretrained(base_model, out_dir)`` loads.
-
-    Args:
-        source: the live model (sharded or not; every rank calls, rank 0 writes), a state dict, or a
-            checkpoint path, as for ``export_hf``.
-        out_dir: the folder to write.
-        hf_config_or_folder: the base model's ``PretrainedConfig``, ``config.json`` or folder (a folder
-            is recorded as the adapter's ``base_model_name_or_path``).
-        lora_config: the run's ``LoraConfig`` (or its JSON, dict, or adapter folder); ``None`` takes
-            the live model's. ``python -m lightning_ep.export --adapter`` reads it from the checkpoint.
-        prefix: what precedes the PEFT model's names in the keys; ``None`` detects it.
-    Returns:
-        ``out_dir`` as a ``Path``, on every rank.
+    ``adapter_model.safetensors``, by PEFT's ``save_pretrained``), which ``PeftModel.from_pretrained``
+    loads. Returns ``out_dir`` as a ``Path``, on every rank. ``source``, ``out_dir``,
+    ``hf_config_or_folder`` and ``prefix`` are as for ``export_hf`` (a folder is recorded as the
+    adapter's ``base_model_name_or_path``; ``prefix`` precedes the PEFT model's names). ``lora_config``:
+    the run's ``LoraConfig`` (or its JSON, dict, or adapter folder); ``None`` takes the live model's.
     """
-    from lightning_ep.models.hf_export import (
-        _check_out_dir,
-        _gather_full_state,
-        _hf_config,
-        _read_checkpoint,
-        write_on_rank_zero,
-    )
+    from lightning_ep.models import hf_export
 
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir)
-    hf_config = _hf_config(hf_config_or_folder)
+    hf_export._check_out_dir(out_dir)
+    hf_config = hf_export._hf_config(hf_config_or_folder)
     if lora_config is None and isinstance(source, nn.Module):
         lora_config = check_peft_model(source)
     if lora_config is None:
@@ -169,16 +149,16 @@ def export_lora_adapter(
     lora_config = lora_config_from(lora_config)
     if isinstance(hf_config_or_folder, (str, os.PathLike)) and Path(hf_config_or_folder).is_dir():
         lora_config.base_model_name_or_path = str(hf_config_or_folder)
-    state = _gather_full_state(source) if isinstance(source, nn.Module) else None
+    state = hf_export._gather_full_state(source) if isinstance(source, nn.Module) else None
 
     def write() -> None:
-        full = state if state is not None else _read_checkpoint(source)  # type: ignore[arg-type]
+        full = state if state is not None else hf_export._read_checkpoint(source)  # type: ignore[arg-type]
         peft_model = meta_peft_model(hf_config, lora_config)
         adapter = peft_state(full, peft_model, prefix, adapter_only=True)
         peft_model.load_state_dict(adapter, strict=False, assign=True)
         peft_model.save_pretrained(str(out_dir))
 
-    write_on_rank_zero(write, "export_lora_adapter")
+    hf_export.write_on_rank_zero(write, "export_lora_adapter")
     return out_dir
 
 

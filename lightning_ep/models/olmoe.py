@@ -10,10 +10,6 @@ OLMOE = register(
         name="olmoe",
         model_types=("olmoe",),
         block_classes=("OlmoeSparseMoeBlock",),
-        router_weight="gate.weight",
-        scoring="softmax",
-        top_k="num_experts_per_tok",
         normalize_weights="norm_topk_prob",
-        activation="hidden_act",
     )
 )

@@ -1,15 +1,11 @@
 """Tell the MoE layers of a Hugging Face model which tokens of each call are padding.
 
-Hugging Face decoder layers call their MoE block with the hidden states alone; the padding is only
-known where the model is called, from its ``attention_mask``. ``watch_padding`` puts a forward
-pre-hook on the model that owns the decoder layers (``model.base_model``: ``MixtralModel`` inside
-``MixtralForCausalLM``), which wraps each call's mask in a ``lightning_ep.moe.tokens.TokenBatch`` and
-hands it to every ``MoELayer`` of the model; a forward hook takes it back after the call. The layers
-then leave padded positions out of routing, losses, counts, capacity and the exchange.
-
-Padding is read from a 2-D ``attention_mask`` (``[batch, sequence]``, 0 at padding), as tokenizers and
-data collators produce it; a call without one, or with a 4-D mask (a custom attention pattern, not
-padding), routes every token.
+Decoder layers call their MoE block with the hidden states alone; the padding is known only where
+the model is called. ``watch_padding`` puts a forward pre-hook on ``model.base_model`` that wraps each
+call's 2-D ``attention_mask`` (``[batch, sequence]``, 0 at padding) in a ``TokenBatch`` for every
+``MoELayer``, and a forward hook that takes it back; the layers then leave padded positions out of
+routing, losses, counts, capacity and the exchange. A call without a 2-D mask (none, or a 4-D custom
+attention pattern) routes every token.
 """
 
 from __future__ import annotations
@@ -29,10 +25,7 @@ _LAYERS = "_lightning_ep_moe_layers"
 
 def watch_padding(model: nn.Module) -> bool:
     """Hand each call's padding mask to the ``MoELayer``s of ``model`` (see the module docstring).
-
-    Idempotent. Returns whether the hooks are in place (``False`` when the model's forward takes no
-    ``attention_mask``: then every token is routed).
-    """
+    Idempotent; returns whether the hooks are in place (``False``: the forward takes no ``attention_mask``)."""
     base = getattr(model, "base_model", model)
     if hasattr(base, _POSITION):
         return True
@@ -48,9 +41,7 @@ def watch_padding(model: nn.Module) -> bool:
 
 def _hand_over(module: nn.Module, args: tuple, kwargs: dict) -> None:
     position = getattr(module, _POSITION)
-    mask = (
-        kwargs["attention_mask"] if "attention_mask" in kwargs else (args[position] if position < len(args) else None)
-    )
+    mask = kwargs.get("attention_mask", args[position] if position < len(args) else None)
     batch = TokenBatch(mask if mask is not None and getattr(mask, "ndim", 0) == 2 else None)
     for layer in getattr(module, _LAYERS):
         layer.token_batch = batch

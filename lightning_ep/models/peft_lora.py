@@ -1,19 +1,16 @@
 """Seeing through PEFT's LoRA: a ``PeftModel`` whose experts carry ``ParamWrapper`` adapters.
 
-``peft.get_peft_model(model, LoraConfig(target_modules=[...], target_parameters=["experts.gate_up_proj",
-"experts.down_proj"]))`` wraps each targeted module in a ``lora.Linear`` and each targeted 3-D expert
-weight in a ``lora.ParamWrapper`` (nested when both weights of one experts module are targeted).
-``transform`` leaves the ``lora.Linear`` layers where they are (the attention's adapters train under
-FSDP2 as any other module) and, for each MoE block, peels the ``ParamWrapper``s off its experts module,
-carrying their factors into ``LoRAGroupedExperts`` as expert-stacked parameters.
+``LoraConfig(target_parameters=["experts.gate_up_proj", "experts.down_proj"])`` wraps each targeted
+3-D expert weight in a ``lora.ParamWrapper`` (nested when both weights of one experts module are
+targeted). ``transform`` leaves PEFT's ``lora.Linear`` layers where they are (they train under FSDP2
+as any other module) and peels the ``ParamWrapper``s off each experts module, carrying their factors
+into ``LoRAGroupedExperts`` as expert-stacked parameters.
 
-Layouts (E experts, r rank, a weight ``[E, out, in]`` such as ``gate_up_proj [E, 2I, H]``): PEFT keeps
-``lora_A.weight [r * E, in]`` with the rows of expert ``e`` at ``e * r .. e * r + r - 1`` and
-``lora_B.weight [out, r * E]`` with column ``j * E + e`` for rank ``j`` of expert ``e``; its delta is
-``scaling * B_e @ A_e``. This library keeps ``A [E, r, in]`` and ``B [E, out, r]`` (``peft_to_stacked``
-and ``stacked_to_peft`` convert).
-
-PEFT is imported only when the model holds its modules (it is then already imported).
+Layouts (E experts, r rank, a weight ``[E, out, in]``): PEFT keeps ``lora_A.weight [r * E, in]`` (rows
+``e * r .. e * r + r - 1`` for expert ``e``) and ``lora_B.weight [out, r * E]`` (column ``j * E + e``
+for rank ``j`` of expert ``e``), delta ``scaling * B_e @ A_e``; this library keeps ``A [E, r, in]``
+and ``B [E, out, r]`` (``peft_to_stacked``, ``stacked_to_peft``). PEFT is imported only when the
+model holds its modules (it is then already loaded).
 """
 
 from __future__ import annotations
@@ -52,13 +49,9 @@ def peft_configs(model: nn.Module) -> dict[str, Any]:
 
 
 def check_peft_model(model: nn.Module) -> Any | None:
-    """The ``LoraConfig`` of ``model``'s PEFT adapter, ``None`` without PEFT; refuses what this
-    library cannot train exactly: another PEFT method, several adapters, and ``target_parameters``
-    entries that matched no parameter (PEFT accepts those as long as another target matched).
-
-    Raises:
-        ValueError: naming the method, the adapters or the target, and the fix.
-    """
+    """The ``LoraConfig`` of ``model``'s PEFT adapter, ``None`` without PEFT; raises ``ValueError`` with
+    the fix for what this library cannot train exactly: another PEFT method, several adapters, and
+    ``target_parameters`` entries that matched no parameter (PEFT accepts those if another matched)."""
     configs = peft_configs(model)
     if not configs:
         return None
@@ -127,18 +120,11 @@ def check_router(block: nn.Module, router_name: str, where: str) -> None:
 def peel_expert_adapters(
     block: nn.Module, experts_name: str, where: str
 ) -> tuple[dict[str, ExpertLoRA], dict[str, str]]:
-    """Take PEFT's LoRA ``ParamWrapper``s off ``block.<experts_name>``, in place.
-
-    Returns:
-        ``({"gate_up_proj" and/or "down_proj": ExpertLoRA}, renames)``: the adapters' factors as new
-        expert-stacked parameters (same values and ``requires_grad``), and ``{parameter name in the
-        block before: name in the MoE layer}`` for every parameter whose name changes (the base
-        weights lose their ``base_layer.`` steps; the factors become ``experts.<weight>_lora_A/B``).
-        ``({}, {})`` when the experts carry no adapter.
-    Raises:
-        ValueError: for an adapter this library cannot carry exactly (merged or disabled adapters,
-            several adapters, a transposed expert layout, a parameter other than the two weights,
-            any other PEFT module on the experts).
+    """Take PEFT's LoRA ``ParamWrapper``s off ``block.<experts_name>``, in place. Returns
+    ``({"gate_up_proj" and/or "down_proj": ExpertLoRA}, renames)``: the factors as new expert-stacked
+    parameters (same values and ``requires_grad``), and ``{name in the block: name in the MoE layer}``
+    for every parameter renamed; ``({}, {})`` without adapters. ``ValueError`` for an adapter this
+    library cannot carry exactly (merged, disabled, several, transposed, on another parameter).
     """
     module: Any = block.get_submodule(experts_name)  # PEFT's modules are untyped
     adapters: dict[str, ExpertLoRA] = {}
@@ -239,9 +225,7 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
 @torch.no_grad()
 def reset_lora_parameters(model: nn.Module) -> None:
     """Initialise every LoRA factor of ``model`` as PEFT does for a new adapter (after a meta-device
-    build, whose weights the model's own initialisation gave Hugging Face's random values): PEFT's
-    own ``reset_lora_parameters`` for its layers, ``LoRAGroupedExperts.reset_lora_parameters`` for
-    the experts'. A model without LoRA is left as it is."""
+    build): PEFT's ``reset_lora_parameters`` for its layers, ``LoRAGroupedExperts``' for the experts."""
     configs = peft_configs(model)
     for _, layer in lora_layers(model):
         for adapter in layer.lora_A:

@@ -16,18 +16,13 @@ def from_pretrained(folder: str | Path, **config_overrides: Any) -> nn.Module:
     """Build the model of a Hugging Face folder on the meta device, marked for sharded loading.
 
     Use it in ``configure_model``. ``ExpertParallelStrategy`` transforms and shards the model,
-    allocates only each rank's shards, and reads exactly those slices from the folder's
-    safetensors files (``lightning_ep.models.hf_io.load_pretrained_sharded``), dequantizing FP8 and
-    MXFP4 weights as they come; the config's ``quantization_config`` is dropped, since the model in
-    memory holds the dequantized weights. Under the strategy the parameters take the dtype of the
-    Trainer's precision, not the one the folder's config names: fp32 master weights under
-    ``bf16-mixed`` and ``32-true``, bf16 under ``bf16-true`` (a cast on the meta device before
-    allocation).
+    allocates only each rank's shards, and reads exactly those slices from the folder
+    (``models.hf_io.load_pretrained_sharded``), dequantizing FP8 and MXFP4 weights. The parameters
+    take the dtype of the Trainer's precision, not the config's: fp32 master weights under
+    ``bf16-mixed`` and ``32-true``, bf16 under ``bf16-true``.
 
-    Args:
-        folder: a Hugging Face model folder (``config.json`` + ``*.safetensors``), as
-            ``save_pretrained`` writes it or as its publisher ships it.
-        config_overrides: fields to change in the loaded config (e.g. ``router_jitter_noise=0.0``).
+    ``folder``: a local Hugging Face model folder (``config.json`` + ``*.safetensors``);
+    ``config_overrides``: fields to change in the loaded config (e.g. ``router_jitter_noise=0.0``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 

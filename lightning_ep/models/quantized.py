@@ -1,20 +1,15 @@
 """The quantized weight formats that publishers ship, dequantized one block of a tensor at a time.
 
-- **FP8, block-scaled** (DeepSeek-V3/R1 and every release laid out like it; transformers'
-  ``FineGrainedFP8Config``): a ``float8_e4m3fn`` weight ``[..., R, C]`` beside
-  ``weight_scale_inv`` ``[..., ceil(R/br), ceil(C/bc)]``, one scale per ``br x bc`` block
-  (``quantization_config["weight_block_size"] = [br, bc]``; the last blocks of a row or column
-  may be partial, e.g. DeepSeek-V3's 576-row ``kv_a_proj_with_mqa`` has 5 scale rows). The value
-  is ``w[r, c] * scale_inv[r // br, c // bc]``. Scales come in fp32/bf16, or as E8M0 exponents
-  (``float8_e8m0fnu``, or ``uint8`` bytes ``s`` standing for ``2^(s - 127)``).
-- **MXFP4** (GPT-OSS's experts; transformers' ``Mxfp4Config``): ``<name>_blocks`` ``uint8
-  [..., out, G, 16]`` hold two E2M1 values per byte (low nibble first), 32 values per group;
-  ``<name>_scales`` ``uint8 [..., out, G]`` one E8M0 exponent per group (``2^(s - 127)``). The
-  dequantized ``[..., out, 32 G]`` is transposed to the ``[..., in, out]`` that transformers keeps
-  in memory (``convert_moe_packed_tensors``).
+- **FP8, block-scaled** (DeepSeek-V3/R1; transformers' ``FineGrainedFP8Config``): a
+  ``float8_e4m3fn`` weight ``[..., R, C]`` beside ``weight_scale_inv [..., ceil(R/br), ceil(C/bc)]``,
+  one scale per ``br x bc`` block (``weight_block_size``; the last blocks may be partial). The value
+  is ``w[r, c] * scale_inv[r // br, c // bc]``; scales are fp32/bf16 or E8M0 exponents.
+- **MXFP4** (GPT-OSS's experts; ``Mxfp4Config``): ``<name>_blocks uint8 [..., out, G, 16]``, two
+  E2M1 values per byte (low nibble first), and ``<name>_scales uint8 [..., out, G]``, one E8M0
+  exponent per 32 values; transformers keeps the result transposed, ``[..., in, out]``.
 
-Both functions take the stored slice covering the wanted block and return exactly that block,
-with the products computed in fp32 as transformers computes them, then cast to ``dtype``.
+Both take the stored slice covering the wanted block and return exactly that block, the products
+computed in fp32 as transformers computes them, then cast to ``dtype``.
 """
 
 from __future__ import annotations
@@ -34,23 +29,12 @@ def scale_values(scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_fp8_block(
-    weight: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block: tuple[int, int],
-    first: tuple[int, int],
-    dtype: torch.dtype,
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], first: tuple[int, int], dtype: torch.dtype
 ) -> torch.Tensor:
-    """The block ``[..., r0 : r0 + Lr, c0 : c0 + Lc]`` of a block-scaled FP8 weight, dequantized.
-
-    Args:
-        weight: the stored values of that block, ``[..., Lr, Lc]`` (any FP8 dtype).
-        scale_inv: the scales of the blocks it touches, rows ``r0 // br ..`` and columns
-            ``c0 // bc ..`` of the grid, ``[..., >= ceil((r0 % br + Lr) / br), ...]``.
-        block: ``(br, bc)``, the rows and columns one scale covers.
-        first: ``(r0, c0)``, the block's first row and column in the whole weight.
-        dtype: the dtype of the result.
-    Returns:
-        ``[..., Lr, Lc]`` in ``dtype``.
+    """The block ``[..., r0 : r0 + Lr, c0 : c0 + Lc]`` of a block-scaled FP8 weight, dequantized to
+    ``[..., Lr, Lc]`` in ``dtype``, from its stored values ``weight [..., Lr, Lc]`` and ``scale_inv``,
+    the grid's scales from row ``r0 // br`` and column ``c0 // bc`` on (``block = (br, bc)``,
+    ``first = (r0, c0)``).
     """
     (br, bc), (r0, c0) = block, first
     rows, cols = weight.shape[-2:]
@@ -61,16 +45,9 @@ def dequantize_fp8_block(
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """MXFP4 groups as values, in the stored orientation.
-
-    Args:
-        blocks: ``uint8 [..., G, 16]``, two E2M1 values per byte, the low nibble first.
-        scales: ``uint8 [..., G]``, the E8M0 exponent of each group of 32 values.
-        dtype: the dtype of the result.
-    Returns:
-        ``[..., 32 G]`` in ``dtype``: value ``2 i`` of a group is byte ``i``'s low nibble, times
-        ``2^(scale - 127)``.
-    """
+    """MXFP4 ``blocks uint8 [..., G, 16]`` and ``scales uint8 [..., G]`` as values ``[..., 32 G]`` in
+    ``dtype``, in the stored orientation: value ``2 i`` of a group is byte ``i``'s low nibble, times
+    ``2^(scale - 127)``."""
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_GROUP // 2:
         raise ValueError(
             f"dequantize_mxfp4: blocks {list(blocks.shape)} and scales {list(scales.shape)} do not form MXFP4 "

@@ -14,11 +14,7 @@ QWEN2_MOE = register(
         name="qwen2_moe",
         model_types=("qwen2_moe",),
         block_classes=("Qwen2MoeSparseMoeBlock",),
-        router_weight="gate.weight",
-        scoring="softmax",
-        top_k="num_experts_per_tok",
         normalize_weights="norm_topk_prob",
-        activation="hidden_act",
         shared_experts="shared_expert",
         shared_experts_gate="shared_expert_gate",
     )

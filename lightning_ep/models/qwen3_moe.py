@@ -10,10 +10,6 @@ QWEN3_MOE = register(
         name="qwen3_moe",
         model_types=("qwen3_moe",),
         block_classes=("Qwen3MoeSparseMoeBlock",),
-        router_weight="gate.weight",
-        scoring="softmax",
-        top_k="num_experts_per_tok",
         normalize_weights="norm_topk_prob",
-        activation="hidden_act",
     )
 )

@@ -1,10 +1,6 @@
-"""The declarative adapter table and the generic code that applies it.
-
-A ``MoEFamily`` says, for one Hugging Face model family, which block class is the sparse MoE
-block, where its router, expert weights and shared experts live (paths relative to the block),
-how the router scores and selects, and which config fields give top-k, groups, scaling,
-activation and jitter. ``build_layer`` turns one block into a ``MoELayer`` that adopts the block's
-own ``Parameter`` objects, buffers and shared-expert modules.
+"""The declarative adapter table (``MoEFamily`` per Hugging Face family) and the generic code that
+applies it: ``MoEFamily.build_layer`` turns one block into a ``MoELayer`` that adopts the block's own
+``Parameter`` objects, buffers and shared-expert modules.
 """
 
 from __future__ import annotations
@@ -31,43 +27,30 @@ ExpertLayout = Literal["gate_up", "interleaved"]
 class MoEFamily:
     """How one Hugging Face family maps onto ``MoELayer``.
 
-    Paths are relative to the block; config fields are read from ``model.config`` (``None``: the
-    family has no such field, the neutral value is used).
+    Paths are relative to the block; the other ``str`` fields name fields of ``model.config``
+    (``None``: the family has no such field, the neutral value is used).
 
     Attributes:
         name: family name shown in messages.
         model_types: ``config.model_type`` values this adapter serves.
-        block_classes: class names of the sparse MoE block to replace (dense MLPs of the same model,
-            e.g. DeepSeek's first ``first_k_dense_replace`` layers, are other classes and stay).
-        router_weight: path of the gate weight ``[E, H]``; its module is a child of the block whose
-            name the layer keeps (``gate``; GPT-OSS: ``router``).
-        router_bias: path of the gate's logit bias ``[E]`` (GPT-OSS), or ``None``.
-        score_correction_bias: path of the selection-only bias buffer ``[E]`` (DeepSeek-V3's
-            ``gate.e_score_correction_bias``), or ``None``.
-        scoring: the router's scoring, ``"softmax"``, ``"sigmoid"`` or ``"topk_softmax"`` (see
-            ``lightning_ep.moe.routing.router``).
-        top_k: config field with the experts per token.
+        block_classes: class names of the sparse MoE block to replace (dense MLPs of the same model
+            are other classes and stay).
+        router_weight: path of the gate weight ``[E, H]``, in a direct child of the block.
+        router_bias: path of the gate's logit bias ``[E]`` (GPT-OSS).
+        score_correction_bias: path of the selection-only bias buffer ``[E]`` (DeepSeek-V3).
+        scoring: ``"softmax"``, ``"sigmoid"`` or ``"topk_softmax"`` (``moe.routing.router``).
+        top_k, n_group, topk_group, routed_scaling_factor, jitter: experts per token, expert groups and
+            groups kept per token (group-limited top-k), the combine weights' factor, router jitter.
         normalize_weights: config field (or a fixed bool) deciding top-k renormalisation.
-        n_group: config field with the number of expert groups (group-limited top-k).
-        topk_group: config field with the groups kept per token.
-        routed_scaling_factor: config field with the factor applied to the combine weights.
-        jitter: config field with the multiplicative router jitter, or ``None``.
         expert_layout: ``"gate_up"``: ``gate_up_proj [E, 2I, H]`` (gate rows first) and
-            ``down_proj [E, H, I]`` with an ``ACT2FN`` activation (``GroupedExperts``);
+            ``down_proj [E, H, I]`` with an ``ACT2FN`` ``activation`` (``GroupedExperts``);
             ``"interleaved"``: GPT-OSS's ``gate_up_proj [E, H, 2I]`` (interleaved columns),
             ``down_proj [E, I, H]``, biases at ``<path>_bias`` and the clamped SwiGLU
-            (``InterleavedGLUExperts``).
-        gate_up_proj: path of the fused gate/up weight.
-        down_proj: path of the down weight.
-        activation: config field with the activation name (``"gate_up"`` layout).
-        swiglu_alpha: path of the Hugging Face attribute holding the gate's sigmoid slope
-            (``"interleaved"`` layout; read from the experts module, which holds it in every
-            transformers version, while the config field is recent).
-        swiglu_limit: path of the attribute holding the clamp limit (``"interleaved"`` layout).
-        shared_experts: name of the block's dense shared-expert child, added to every token's
-            output (Qwen2-MoE ``shared_expert``, DeepSeek ``shared_experts``), or ``None``.
-        shared_experts_gate: name of the child giving the shared experts' sigmoid gate logit
-            (Qwen2-MoE ``shared_expert_gate``), or ``None``.
+            (``InterleavedGLUExperts``), whose ``swiglu_alpha`` and ``swiglu_limit`` are read from
+            the experts module (which holds them in every transformers version; the config field is recent).
+        gate_up_proj, down_proj: paths of the fused gate/up weight and the down weight.
+        shared_experts: name of the block's dense shared-expert child, added to every token's output.
+        shared_experts_gate: name of the child giving the shared experts' sigmoid gate logit (Qwen2-MoE).
         layer_class: the ``MoELayer`` class to build (GPT-OSS's returns a pair).
     """
 
@@ -134,6 +117,8 @@ class MoEFamily:
             scaling_factor=float(_field(hf_config, self.routed_scaling_factor, 1.0) or 1.0),
         )
         keep_replaced(gate, block.get_submodule(self.router_name))
+        experts = self._experts_of(block, hf_config, adapters or {})
+        keep_replaced(experts, block.get_submodule(self.gate_up_proj.rpartition(".")[0]))
         names = {"gate": self.router_name}
         shared = {}
         for role, child in (("shared_experts", self.shared_experts), ("shared_experts_gate", self.shared_experts_gate)):
@@ -142,23 +127,12 @@ class MoEFamily:
                 shared[role] = block.get_submodule(child)
         jitter = float(_field(hf_config, self.jitter, 0.0) or 0.0)
         layer = self.layer_class(
-            gate,
-            self._build_experts(block, hf_config, adapters or {}),
-            config,
-            jitter_noise=jitter,
-            layer_index=layer_index,
-            child_names=names,
-            **shared,
+            gate, experts, config, jitter_noise=jitter, layer_index=layer_index, child_names=names, **shared
         )
         # The block's child order, so that state_dict() lists the keys exactly as before.
         order = {name: i for i, name in enumerate(block._modules)}
         layer._modules = dict(sorted(layer._modules.items(), key=lambda item: order.get(item[0], len(order))))
         return layer
-
-    def _build_experts(self, block: nn.Module, hf_config: Any, adapters: Mapping[str, ExpertLoRA]) -> RoutedExperts:
-        experts = self._experts_of(block, hf_config, adapters)
-        keep_replaced(experts, block.get_submodule(self.gate_up_proj.rpartition(".")[0]))
-        return experts
 
     def _experts_of(self, block: nn.Module, hf_config: Any, adapters: Mapping[str, ExpertLoRA]) -> RoutedExperts:
         if adapters and self.expert_layout != "gate_up":
@@ -199,11 +173,8 @@ def _attribute(block: nn.Module, path: str) -> Any:
 
 
 def _field(hf_config: Any, field: str | bool | None, default: Any) -> Any:
-    """``hf_config.<field>``; a bool is a fixed value; ``None`` (no such field) gives ``default``.
-
-    A field the table names but the config lacks is an error unless there is a default: the
-    adapter and the installed transformers disagree, and guessing could change the math.
-    """
+    """``hf_config.<field>``; a bool is a fixed value; ``None`` (no such field) gives ``default``. A named
+    field the config lacks is an error without a default: guessing could change the math."""
     if field is None:
         return default
     if isinstance(field, bool):
@@ -267,11 +238,9 @@ def _load_adapters() -> None:
 @dataclass(frozen=True)
 class MoEShape:
     """What a Hugging Face MoE model's MoE layers look like, transformed or not (``None`` where a model of
-    an unsupported family does not say): the one reader of a model's MoE shape, for the checkpoint
-    record (``RECORDED``), ``degree="auto"`` and the execution choices.
-
-    ``expert_elements``: one routed expert's gate/up weight (``[E, 2I, H]`` or GPT-OSS's ``[E, H, 2I]``),
-    the largest in the model, meta tensors too; 0 without one.
+    an unsupported family does not say), for the checkpoint record (``RECORDED``), ``degree="auto"``
+    and the execution choices. ``expert_elements``: the largest routed expert's gate/up weight
+    elements (``2I x H``; meta tensors too), 0 without one.
     """
 
     RECORDED: ClassVar[tuple[str, ...]] = ("model_type", "num_experts", "top_k", "num_moe_layers")

@@ -1,15 +1,6 @@
 """``MoEMonitor``: expert load and router statistics of the MoE layers, through Lightning's loggers.
 
 Legend: L MoE layers, E experts per layer, K experts per token.
-
-After every training batch the monitor reads what each ``MoELayer`` kept from its last forward
-(``tokens_per_expert``, ``router_entropy``, ``selection_gap``, ``aux_loss``, ``z_loss`` and, where a
-layer has it, ``tokens_dropped``) and adds it on the device, without a host sync, to the single sum
-state of a torchmetrics ``Metric`` (``MoELoadMetric``). Every ``every_n_steps`` optimizer steps that
-state is reduced across ranks with one all-reduce, ``8 * L + 9`` scalars go to every logger of the Trainer,
-and the window starts again. Global rank 0 renders the plots: a layers x experts heatmap of
-normalised load and the load imbalance of each layer over steps (PNGs in the run's log
-directory; the heatmap also as a TensorBoard image).
 """
 
 from __future__ import annotations
@@ -40,30 +31,24 @@ if TYPE_CHECKING:
 class MoEMonitor(Callback):
     """Log expert load balance and router health of every ``MoELayer`` through the Trainer's loggers.
 
-    Every ``every_n_steps`` optimizer steps (the Trainer's ``log_every_n_steps`` by default) and at
-    the end of fit, it logs, over the batches of the window and all ranks (see ``MoELoadMetric``):
+    After every training batch it adds what each ``MoELayer`` kept from its last forward to a
+    ``MoELoadMetric`` on the device, without a host sync. Every ``every_n_steps`` optimizer steps (the
+    Trainer's ``log_every_n_steps`` by default) and at the end of fit, it logs, over the batches of the
+    window and all ranks:
 
     - per layer ``<prefix>/layer_<i>/<name>`` and for the model ``<prefix>/<name>``, with ``name``
-      in ``STAT_NAMES``: load imbalance (max / mean tokens per expert), coefficient of variation,
-      dead experts, router entropy, the ``"sinkhorn"`` selection gap (the fraction of tokens whose
-      training choice differs from the plain top-k inference picks; 0 in other modes), fraction of
-      assignments dropped (0 while dropless), aux loss and z-loss;
+      in ``STAT_NAMES`` (described in ``MoELoadMetric``);
     - ``<prefix>/tokens_per_sec``: token passes through MoE layers per second, summed over layers
       and ranks, over the host wall time between the window's batch ends (validation excluded).
 
-    That is ``8 * L + 9`` series whatever the expert count. Per batch the monitor only adds device
-    tensors; each window costs one all-reduce and one device-to-host copy of the result.
+    That is ``8 * L + 9`` series whatever the expert count; each window costs one all-reduce and one
+    device-to-host copy.
 
     With ``plots=True``, global rank 0 writes every ``heatmap_every_n_steps`` steps
-    ``<log_dir>/moe/expert_load_step<NNNNNN>.png`` (layers x experts, tokens / mean tokens per expert
-    over the steps since the previous heatmap) and ``<log_dir>/moe/load_imbalance.png`` (per layer,
-    over steps), and at the end of fit ``expert_load.png`` and ``load_imbalance.png``; ``<log_dir>``
-    is ``trainer.log_dir``. Each heatmap also goes to every ``TensorBoardLogger`` as the image
+    ``<trainer.log_dir>/moe/expert_load_step<NNNNNN>.png`` (layers x experts, tokens / mean tokens per
+    expert since the previous heatmap) and ``load_imbalance.png`` (per layer, over steps), and at the
+    end of fit ``expert_load.png``. Each heatmap also goes to every ``TensorBoardLogger`` as the image
     ``<prefix>/expert_load``. PNGs are ``PLOT_SIZE_PX`` pixels.
-
-    Example::
-
-        Trainer(strategy=ExpertParallelStrategy(degree=8), callbacks=[MoEMonitor(every_n_steps=50)])
 
     Args:
         every_n_steps: optimizer steps per logging window; ``None`` uses ``Trainer(log_every_n_steps)``
@@ -130,12 +115,9 @@ class MoEMonitor(Callback):
         self.history_steps: list[int] = []
         self.history_imbalance: list[list[float]] = []
 
-    # ----------------------------------------------------------------------------- hooks
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # State pickled into spawned workers, or left over from an earlier fit, would be counted
-        # again on every rank (docs notes: torchmetrics states under CPU spawn).
+        # State pickled into spawned workers, or left over from an earlier fit, would be counted again.
         self._reset()
 
     @override
@@ -161,8 +143,7 @@ class MoEMonitor(Callback):
         self.metric = metric.to(device)
         self.metric.reset()
         self._layers = layers
-        every = self.every_n_steps
-        # Set by Lightning's logger connector, not declared on the class.
+        every = self.every_n_steps  # log_every_n_steps: set by Lightning's logger connector, not on the class
         self._every = every if every is not None else int(getattr(trainer, "log_every_n_steps", 50))
         self._step = self._seen_global_step = trainer.global_step
         self._heat_first_step = self._step + 1
@@ -209,10 +190,8 @@ class MoEMonitor(Callback):
             self._flush(trainer)
         self._render(trainer, final=True)
 
-    # ----------------------------------------------------------------------------- window
-
     def _record(self) -> None:
-        """Add the layers' latest forward to the window: a few stacks and one add on the device."""
+        """Add the layers' latest forward to the window, on the device."""
         assert self.metric is not None, "MoEMonitor: on_train_start must run before the first batch"
         device = self.metric.stats.device
         layers = self._layers
@@ -237,8 +216,7 @@ class MoEMonitor(Callback):
         model_S = torch.stack([stats["model"][name].reshape(()) for name in STAT_NAMES])
         flat = torch.cat(
             [per_layer_SL.reshape(-1), model_S, stats["moe_tokens"].reshape(1), stats["tokens_per_expert"].reshape(-1)]
-        )
-        flat = flat.cpu()  # the window's one device-to-host copy
+        ).cpu()  # the window's one device-to-host copy
         now = time.perf_counter()
         seconds = now - self._clock - self._paused if self._clock is not None else math.inf
         self._clock, self._paused = now, 0.0
@@ -260,8 +238,6 @@ class MoEMonitor(Callback):
         self.history_steps.append(self._step)
         self.history_imbalance.append(per_layer[STAT_NAMES.index("load_imbalance")])
         return metrics
-
-    # ----------------------------------------------------------------------------- plots
 
     def _render(self, trainer: pl.Trainer, *, final: bool) -> None:
         """Heatmap of the steps since the last one (the last one again at the end if none since)."""

@@ -38,8 +38,7 @@ class MoELoadMetric(Metric):
 
     The whole state is one float64 vector ``stats`` with sum reduction, laid out as
     ``[tokens_LE (L*E) | entropy x tokens (L) | gap x tokens (L) | dropped (L) | aux (L) | z (L) |
-    batches (1)]``, so
-    ``compute()`` syncs the ranks with a single all-reduce (counts stay exact up to 2**53).
+    batches (1)]``, so ``compute()`` syncs the ranks with one all-reduce (counts exact up to 2**53).
 
     ``compute()`` returns ``{"layers": {name: [L]}, "model": {name: 0-dim}, "tokens_per_expert": [L, E],
     "moe_tokens": 0-dim}`` with ``name`` in ``STAT_NAMES``, over all ranks and batches since the last
@@ -54,16 +53,9 @@ class MoELoadMetric(Metric):
     - ``tokens_dropped_frac``: dropped (token, expert) assignments / routed assignments;
     - ``aux_loss``, ``z_loss``: mean over batches and ranks (unweighted).
 
-    A layer without tokens gets 0 for the first six. Model values: the mean over layers of load
-    imbalance, CV, entropy and selection gap; the sum of dead experts and of the losses (the total the model
-    trains on); dropped / routed over all layers. ``moe_tokens`` is the number of token passes
-    through MoE layers, ``sum(tokens_per_expert) / K`` summed over layers.
-
-    Args:
-        num_layers: ``L``.
-        num_experts: ``E``.
-        top_k: ``K``.
-        kwargs: torchmetrics ``Metric`` options (``process_group``, ...).
+    A layer without tokens gets 0 for the first six. Model values: the mean over layers of imbalance,
+    CV, entropy and gap; the sum of dead experts and losses; dropped / routed over all layers.
+    ``moe_tokens``: token passes through MoE layers. ``kwargs``: torchmetrics ``Metric`` options.
     """
 
     full_state_update = False
@@ -104,18 +96,17 @@ class MoELoadMetric(Metric):
         device, dtype = self.stats.device, self.stats.dtype
         tokens_LE = tokens_per_expert_LE.to(device, dtype)
         num_tokens_L = tokens_LE.sum(dim=1) / self.top_k
-        if tokens_dropped_L is None:
-            dropped_L = tokens_LE.new_zeros(L)
-        else:
-            dropped_L = tokens_dropped_L.to(device, dtype).reshape(L)
-        gap_L = tokens_LE.new_zeros(L) if selection_gap_L is None else selection_gap_L.to(device, dtype).reshape(L)
+
+        def per_layer(values_L: Tensor | None) -> Tensor:
+            return tokens_LE.new_zeros(L) if values_L is None else values_L.to(device, dtype).reshape(L)
+
         parts = [
             tokens_LE.reshape(-1),
-            router_entropy_L.to(device, dtype).reshape(L) * num_tokens_L,
-            gap_L * num_tokens_L,
-            dropped_L,
-            aux_loss_L.to(device, dtype).reshape(L),
-            z_loss_L.to(device, dtype).reshape(L),
+            per_layer(router_entropy_L) * num_tokens_L,
+            per_layer(selection_gap_L) * num_tokens_L,
+            per_layer(tokens_dropped_L),
+            per_layer(aux_loss_L),
+            per_layer(z_loss_L),
             tokens_LE.new_ones(1),
         ]
         self.stats += torch.cat(parts)
@@ -142,14 +133,7 @@ class MoELoadMetric(Metric):
             "z_loss": z_sum_L / batches,
         }
         routed = routed_L.sum()
-        model = {
-            "load_imbalance": layers["load_imbalance"].mean(),
-            "load_cv": layers["load_cv"].mean(),
-            "dead_experts": layers["dead_experts"].sum(),
-            "router_entropy": layers["router_entropy"].mean(),
-            "selection_gap": layers["selection_gap"].mean(),
-            "tokens_dropped_frac": torch.where(routed > 0, dropped_L.sum() / routed.clamp_min(1.0), routed * 0),
-            "aux_loss": layers["aux_loss"].sum(),
-            "z_loss": layers["z_loss"].sum(),
-        }
+        sums = ("dead_experts", "aux_loss", "z_loss")
+        model = {name: values.sum() if name in sums else values.mean() for name, values in layers.items()}
+        model["tokens_dropped_frac"] = torch.where(routed > 0, dropped_L.sum() / routed.clamp_min(1.0), routed * 0)
         return {"layers": layers, "model": model, "tokens_per_expert": tokens_LE, "moe_tokens": routed / self.top_k}

@@ -52,9 +52,11 @@ def heatmap_figure(load_LE: Tensor, title: str = "expert load / mean load") -> F
         axes.set_yticks(range(num_layers))
     if num_layers * num_experts <= 128:
         threshold = 0.5 * float(values.max()) if values.size else 0.0
-        for (row, col), value in _cells(values):
-            color = "black" if value > threshold else "white"
-            axes.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=8, color=color)
+        for row in range(num_layers):
+            for col in range(num_experts):
+                value = float(values[row, col])
+                color = "black" if value > threshold else "white"
+                axes.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=8, color=color)
     figure.tight_layout()
     return figure
 
@@ -66,10 +68,9 @@ def imbalance_figure(steps: list[int], imbalance_NL: list[list[float]]) -> Figur
     figure = _figure()
     axes = figure.add_subplot()
     num_layers = len(imbalance_NL[0]) if imbalance_NL else 0
+    marker = "." if len(steps) < 50 else None
     for layer in range(num_layers):
-        axes.plot(
-            steps, [row[layer] for row in imbalance_NL], marker="." if len(steps) < 50 else None, label=f"layer {layer}"
-        )
+        axes.plot(steps, [row[layer] for row in imbalance_NL], marker=marker, label=f"layer {layer}")
     axes.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("optimizer step")
@@ -79,10 +80,6 @@ def imbalance_figure(steps: list[int], imbalance_NL: list[list[float]]) -> Figur
         axes.legend(fontsize=8, ncol=2)
     figure.tight_layout()
     return figure
-
-
-def _cells(values: np.ndarray) -> list[tuple[tuple[int, int], float]]:
-    return [((r, c), float(values[r, c])) for r in range(values.shape[0]) for c in range(values.shape[1])]
 
 
 def rgb(figure: Figure) -> np.ndarray:

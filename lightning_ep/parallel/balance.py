@@ -14,14 +14,9 @@ from lightning_ep.moe.layer import MoELayer
 
 @torch.no_grad()
 def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Move every ``"balanced"`` router's bias towards equal load, then clear the counts.
-
-    The counts of all layers are summed over ``group`` (default: the world, when a process group
-    exists) in one all-reduce, so every rank applies the same update and the biases stay equal.
-    Call it once per optimizer step, after that step's forwards and backwards (the counts are those
-    of the step's micro-batches); ``update_biases_after_each_step`` does it for a set of optimizers.
-    A call with no pending count (a second optimizer stepped after the first) changes nothing.
-    """
+    """Move every ``"balanced"`` router's bias towards equal load, then clear the counts, summed over
+    ``group`` (default: the world) in one all-reduce so that every rank applies the same update. Call it
+    once per optimizer step, after its forwards and backwards (``update_biases_after_each_step``)."""
     layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.gate.mode == "balanced"]
     if not layers:
         return
@@ -38,17 +33,10 @@ def update_biases_after_each_step(
     """Run ``update_expert_biases(model, group)`` at the end of every ``step()`` of ``optimizers``.
 
     A step *post*-hook, because ``optimizer.step(closure)`` (Lightning's automatic optimization)
-    runs the closure, the step's forward and backward, inside ``step()``: a pre-hook would apply the
-    previous step's counts, and lose the last step's at a checkpoint or the end of training. After
-    ``step()`` the counts are those of the step's own micro-batches, under gradient accumulation,
-    a manual ``opt.step()`` (through Lightning's optimizer wrapper or the raw torch optimizer) and an
-    optimizer that evaluates its closure several times alike, once per step. Megatron-Core updates
-    the biases just before the optimizer's update instead; the biases are buffers the optimizer
-    never reads, so the two orders give the same numbers. Every rank must step the same optimizers
-    (the update all-reduces).
-
-    Returns:
-        the hooks' handles (``handle.remove()`` detaches one).
+    runs the step's forward and backward inside ``step()``: a pre-hook would apply the previous
+    step's counts, and lose the last step's at a checkpoint or the end of training. Megatron-Core
+    updates the biases just before the optimizer's update; the optimizer never reads them, so both
+    orders give the same numbers. Every rank must step the same optimizers. Returns the handles.
     """
 
     def hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:

@@ -32,12 +32,9 @@ def clip_grad_norm_(
     shard, so one all-reduce over the world gives the exact ``sum |g|^p`` of the full gradients
     (``max`` for ``p = inf``). Gradients are then scaled by ``min(1, max_norm / (norm + 1e-6))``.
 
-    Args:
-        parameters: parameters (plain tensors or DTensors); those without ``.grad`` are skipped.
-        max_norm: the norm after clipping.
-        norm_type: ``p`` of the norm; ``float("inf")`` for the max norm.
-    Returns:
-        The total norm before clipping (plain 0-dim float32 tensor, equal on every rank).
+    ``parameters`` (plain tensors or DTensors) without ``.grad`` are skipped; ``norm_type`` is ``p``
+    (``float("inf")``: the max norm). Returns the total norm before clipping (a plain 0-dim float32
+    tensor, equal on every rank).
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]

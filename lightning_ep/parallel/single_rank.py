@@ -1,28 +1,24 @@
 """``keep_dense_local``: a one-rank world's dense parameters, used in place instead of through FSDP2.
 
 With one rank in all, FSDP2 has nothing to gather or reduce, yet each step it still copies every
-dense parameter into its all-gather buffer and out into the unsharded parameters before forward,
-concatenates the gradients into a reduce buffer and copies them out after backward, and in
-``bf16-mixed`` casts them through torch's element-wise copy loop. ``keep_dense_local`` gives the
-same numbers without those copies:
+dense parameter into its all-gather buffer and out before forward, and the gradients into a reduce
+buffer and out after backward (in ``bf16-mixed`` through torch's element-wise copy loop).
+``keep_dense_local`` gives the same numbers without those copies:
 
-- Each dense parameter becomes a DTensor on the one-rank mesh (``Shard(0)``, as FSDP2 would shard
-  it), so checkpoints, clipping, the optimizer and ``check_all_sharded`` see what they see under
-  FSDP2.
-- Before the model's forward, each slot of the model holds a plain ``nn.Parameter`` standing for
-  its DTensor: in the DTensor's own dtype, that parameter is the local tensor itself (no copy); in
-  another compute dtype (``bf16-mixed``'s bf16 beside fp32 weights), a kept buffer refreshed by
-  one fused cast per forward. After the forward, the DTensors are back in their slots.
+- Each dense parameter becomes a DTensor on the one-rank mesh (``Shard(0)``), so checkpoints,
+  clipping, the optimizer and ``check_all_sharded`` see what they see under FSDP2.
+- During the model's forward, each slot holds a plain ``nn.Parameter`` standing for its DTensor: the
+  local tensor itself in its own dtype, or in another compute dtype (``bf16-mixed``) a kept buffer
+  refreshed by one fused cast per forward.
 - As backward accumulates each stand-in's gradient, a hook hands it to the DTensor (as a view, or
-  cast to the DTensor's dtype) and clears the stand-in's: the gradient FSDP2's reduction over one
-  rank would give, bit for bit, and accumulated the same way when several backwards precede a step.
-- Floating inputs of the root, the given units (the decoder layers, the output head) are cast to
-  the compute dtype, as FSDP2's ``MixedPrecisionPolicy(cast_forward_inputs=True)`` casts them.
+  cast to its dtype): the gradient FSDP2's reduction over one rank would give, bit for bit, and
+  accumulated the same way over several backwards.
+- Floating inputs of the root and the given units are cast to the compute dtype, as FSDP2's
+  ``MixedPrecisionPolicy(cast_forward_inputs=True)`` casts them.
 
-Costs: one fused cast of the dense parameters per forward in ``bf16-mixed`` (none in ``bf16-true``
-or fp32), with their bf16 copy held between steps; a few microseconds of host time per parameter
-per step. The model's weights are read through its forward: a module called on its own, outside
-the model's forward, sees DTensors (FSDP2 has the same rule for its units).
+Costs: one fused cast of the dense parameters per forward in ``bf16-mixed``, with their bf16 copy
+held between steps; a few microseconds of host time per parameter per step. A module called on its
+own, outside the model's forward, sees DTensors (as under FSDP2).
 """
 
 from __future__ import annotations
@@ -118,18 +114,10 @@ def _hand_over(state: weakref.ref[_LocalParameters], i: int, stand_in: torch.Ten
 def keep_dense_local(
     model: nn.Module, mesh: DeviceMesh, *, compute_dtype: torch.dtype | None = None, units: Sequence[nn.Module] = ()
 ) -> nn.Module:
-    """Make every parameter of ``model`` that is not a DTensor yet one on the one-rank ``mesh`` and
-    let the forward use it in place (see the module docstring). Idempotent.
-
-    Args:
-        model: the model whose forward reads the weights (the root a LightningModule calls).
-        mesh: a one-rank mesh (the dense mesh of a world of one).
-        compute_dtype: the dtype the forward computes in (FSDP2's ``MixedPrecisionPolicy.param_dtype``);
-            ``None``: each parameter's own. Floating inputs of ``model`` and of each of ``units`` are
-            cast to it.
-        units: the modules FSDP2 would have made units of (decoder layers, the output head).
-    Raises:
-        ValueError: if ``mesh`` has more than one rank.
+    """Make every parameter of ``model`` (whose forward reads the weights) that is not a DTensor yet one
+    on the one-rank ``mesh`` and let the forward use it in place (see the module docstring).
+    Idempotent. ``compute_dtype``: FSDP2's ``MixedPrecisionPolicy.param_dtype`` (``None``: each
+    parameter's own); ``units``: the modules FSDP2 would have made units of (decoder layers, head).
     """
     if mesh.size() != 1:
         raise ValueError(

@@ -36,13 +36,10 @@ def parse_size(text: str) -> int:
 
 def _checkpointing(text: str) -> bool | str:
     lowered = text.lower()
-    if lowered in ("true", "1", "yes"):
-        return True
-    if lowered in ("false", "0", "no"):
-        return False
-    if lowered == "keep_all_to_all":
-        return "keep_all_to_all"
-    raise ArgumentError(f"--activation-checkpointing={text!r}: pass true, false or keep_all_to_all.")
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(lowered, lowered)
+    if value not in (True, False, "keep_all_to_all"):
+        raise ArgumentError(f"--activation-checkpointing={text!r}: pass true, false or keep_all_to_all.")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -92,8 +89,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             micro_batch=args.micro_batch,
             seq=args.seq,
             precision=args.precision,
-            activation_checkpointing=_checkpointing(args.activation_checkpointing),  # type: ignore[arg-type]
             capacity_factor=args.capacity_factor,
+            activation_checkpointing=_checkpointing(args.activation_checkpointing),  # type: ignore[arg-type]
         )
         try:
             shape = model_shape(args.config)

@@ -3,26 +3,21 @@ exchange buffers and FSDP2's gathered copies (estimated), and the peak they add 
 
 What the strategy holds, and so what is counted:
 
-- Sharding (``lightning_ep.parallel.fsdp.shard_model``): a dense parameter is split on dim 0 over
-  the ``S = W / R`` shard ranks, FSDP2's way (``torch.chunk``: rank ``s`` keeps rows
-  ``s*c .. s*c+c-1``, ``c = ceil(n / S)``, so rank 0 holds the most); an expert weight keeps its
-  ``E / d`` experts of the ``ep`` axis and, when FSDP2 wraps the experts (``R x edp > 1``), is split
-  on dim 1 over the ``edp`` ranks.
-- Precision (``lightning_ep.execution.environment.fsdp_options`` and Lightning's plugins): ``32-true`` and
-  ``bf16-mixed`` keep fp32 parameters (``bf16-mixed`` computes in bf16 under autocast, FSDP2
-  gathering bf16 copies), ``bf16-true`` keeps bf16 ones; gradients take the parameters' dtype.
-- AdamW (torch's, or ``lightning_ep.optim.AdamW``): ``exp_avg`` and ``exp_avg_sq`` like each
-  parameter (its dtype: bf16 under ``bf16-true``), and a 0-dim fp32 ``step`` per parameter tensor.
-- Lightning's automatic optimization zeroes gradients (``set_to_none``) after the forward, so the
-  previous step's gradients are alive through the forward: at its end (the loss) the rank holds
-  the states, those gradients, every layer's saved activations and the loss's logits.
-- Activation checkpointing (Hugging Face's, non-reentrant, per decoder layer): a layer keeps only
-  its input; its activations come back, one layer at a time, in backward. ``"keep_all_to_all"``
-  also keeps each MoE layer's exchanged rows (``(M + T K) x H`` elements) until its backward.
+- Sharding (``parallel.fsdp.shard_model``): a dense parameter is split on dim 0 over the
+  ``S = W / R`` shard ranks as ``torch.chunk`` splits it (rank 0 holds the most); an expert weight
+  keeps its ``E / d`` experts and, when FSDP2 wraps the experts (``R x edp > 1``), is split on dim 1
+  over the ``edp`` ranks.
+- Precision: ``32-true`` and ``bf16-mixed`` keep fp32 parameters (``bf16-mixed`` computes in bf16,
+  FSDP2 gathering bf16 copies), ``bf16-true`` bf16 ones; gradients and AdamW's two moments take the
+  parameters' dtype, plus a 0-dim fp32 ``step`` per parameter tensor.
+- Lightning zeroes gradients after the forward, so the previous step's gradients are alive through
+  it: at the loss the rank holds the states, those gradients, every layer's saved activations and
+  the logits.
+- Activation checkpointing (per decoder layer): a layer keeps only its input until backward;
+  ``"keep_all_to_all"`` also keeps each MoE layer's exchanged rows (``(M + T K) x H`` elements).
 
-The activation widths per token come from reading the modules' forward passes (Hugging Face
-RMSNorm, attention and MLPs; ``lightning_ep.moe.experts.mlp``, ``combine``): see
-``layer_activation_bytes``. Rows per rank ``M``: ``T K`` in the expected (balanced) case;
+The activation widths per token come from reading the modules' forward passes
+(``layer_activation_bytes``). Rows per rank ``M``: ``T K`` in the expected (balanced) case;
 ``d T min(K, E / d)`` in the dropless worst case (every token of the EP group chooses this rank's
 experts); ``E C`` with a capacity ``C = ceil(T K / E x capacity_factor)`` per (rank, expert).
 """
@@ -30,7 +25,7 @@ experts); ``E C`` with a capacity ``C = ceil(T K / E x capacity_factor)`` per (r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 from lightning_ep.plan.layouts import Layout
@@ -103,9 +98,9 @@ class RankParams:
 
 @dataclass(frozen=True, kw_only=True)
 class RankMemory:
-    """Bytes on one rank (rank 0, which holds the largest shards). ``activations`` and ``total`` are
-    the case the plan is judged by (expected, or the capacity when set); ``*_worst`` the dropless
-    worst case. ``peak_phase`` names where the peak falls."""
+    """Bytes on one rank (rank 0, which holds the largest shards). ``activations`` and ``total``: the
+    case the plan is judged by (expected, or the capacity when set); ``*_worst``: the dropless worst
+    case. ``peak_phase`` names where the peak falls."""
 
     params: int
     grads: int
@@ -119,17 +114,7 @@ class RankMemory:
     peak_phase: str
 
     def as_dict(self) -> dict[str, int | str]:
-        return {
-            "params": self.params,
-            "grads": self.grads,
-            "optimizer": self.optimizer,
-            "activations": self.activations,
-            "activations_worst": self.activations_worst,
-            "exchange": self.exchange,
-            "gathered": self.gathered,
-            "total": self.total,
-            "total_worst": self.total_worst,
-        }
+        return {name: value for name, value in asdict(self).items() if name != "peak_phase"}
 
 
 def _chunk(n: int, parts: int, index: int) -> int:
@@ -242,10 +227,10 @@ def exchange_bytes(shape: ModelShape, layout: Layout, workload: Workload, rows: 
 def rank_memory(shape: ModelShape, layout: Layout, workload: Workload, rank: int = 0) -> RankMemory:
     """The memory of ``rank`` (see the module docstring) for one training step."""
     params, grads, optimizer = state_bytes(shape, layout, workload, rank)
-    peaks = {}
-    for case in ("expected", "worst"):
-        peaks[case] = _peak(shape, layout, workload, rank, rows_per_rank(shape, layout, workload, case))
-    expected, worst = peaks["expected"], peaks["worst"]
+    expected, worst = (
+        _peak(shape, layout, workload, rank, rows_per_rank(shape, layout, workload, case))
+        for case in ("expected", "worst")
+    )
     static = params + optimizer
     return RankMemory(
         params=params,
@@ -295,8 +280,7 @@ def _peak(shape: ModelShape, layout: Layout, workload: Workload, rank: int, rows
         phases[f"backward (layer {i})"] = (root + acts + done + gathered + unsharded_grads + temps, acts, gathered)
     phases["optimizer step"] = (grads, 0, 0)
     phase = max(phases, key=lambda name: phases[name][0])
-    total, acts, held = phases[phase]
-    return total, acts, held, phase
+    return (*phases[phase], phase)
 
 
 def _head_grads(shape: ModelShape, layout: Layout, workload: Workload, rank: int) -> int:

@@ -1,11 +1,8 @@
 """``ModelShape``: what the planner needs to know of a Hugging Face MoE model, counted exactly.
 
-The model is built on the ``meta`` device from its config (no weight is allocated), and every
-parameter is listed with its global shape and whether it is an expert weight (sharded on the
-``ep`` axis, then by FSDP2 over the expert-data-parallel ranks) or a dense one (FSDP2 over every
-rank). The family adapters of ``lightning_ep.models`` say which block is the MoE block and where
-its expert weights live, exactly as ``lightning_ep.transform`` reads them, so the names and shapes
-here are those of the transformed model.
+The model is built on the ``meta`` device from its config, and every parameter is listed with its
+global shape and whether it is an expert weight or a dense one, as ``lightning_ep.transform`` reads
+them through the family adapters of ``lightning_ep.models``.
 
 Legend: H hidden size, E experts, K experts per token, F expert width (``moe_intermediate_size``),
 V vocabulary.
@@ -14,6 +11,7 @@ V vocabulary.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,26 +32,16 @@ class ParamInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """Widths per token of one attention block (elements), for the activation estimate.
-
-    Attributes:
-        heads: query heads.
-        q, k, v: widths of the queries, keys and values that attention reads (after RoPE).
-        o: width of the attention output (the output projection's input).
-        qk_head_dim, v_head_dim: per-head widths (``Q K^T`` and ``A V`` FLOPs).
-        norm_widths: widths of the normalisations inside attention (Qwen3/OLMoE ``q_norm``,
-            ``k_norm``; DeepSeek's ``q_a_layernorm``, ``kv_a_layernorm``).
-        linear_inputs: how many projections read the block's normalised input (each casts it
-            separately under autocast).
-    """
+    """Widths per token of one attention block (elements), for the activation estimate: ``heads`` query
+    heads; ``q``, ``k``, ``v`` the widths attention reads (after RoPE), ``o`` its output's; per-head
+    ``qk_head_dim`` and ``v_head_dim`` (for the FLOPs); ``norm_widths`` of the norms inside attention
+    (Qwen3's ``q_norm``, DeepSeek's ``q_a_layernorm``); ``linear_inputs``: the projections reading the
+    block's normalised input (each casts it separately under autocast)."""
 
     heads: int
     q: int
@@ -134,7 +122,7 @@ class ModelShape:
 
 def load_config(source: Any) -> Any:
     """A ``transformers.PretrainedConfig`` from a config object, a ``config.json`` path, a folder
-    holding one, or a dict. Raises ``ValueError`` naming the source and the fix."""
+    holding one, or a dict; ``ValueError`` naming the source and the fix."""
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(source, PretrainedConfig):
@@ -165,13 +153,8 @@ def load_config(source: Any) -> Any:
 
 
 def model_shape(config: Any) -> ModelShape:
-    """Count ``config``'s model on the ``meta`` device (see ``ModelShape``).
-
-    Args:
-        config: a ``transformers`` config, a ``config.json`` path or folder, or a dict with ``model_type``.
-    Raises:
-        ValueError: the model type has no adapter in ``lightning_ep.models``, or has no MoE block.
-    """
+    """Count the model of ``config`` (as ``load_config`` takes it) on the ``meta`` device; ``ValueError``
+    when the model type has no adapter in ``lightning_ep.models``, or no MoE block."""
     from transformers import AutoModelForCausalLM
 
     hf_config = load_config(config)
@@ -215,7 +198,7 @@ def model_shape(config: Any) -> ModelShape:
         num_experts=int(num_experts),
         top_k=int(getattr(hf_config, family.top_k)),
         expert_width=int(expert_width),
-        shared_width=_shared_width(first, family),
+        shared_width=_down_width(first.get_submodule(family.shared_experts)) if family.shared_experts else 0,
         dense_width=_dense_width(layers, {id(b) for _, b in blocks}),
         expert_biases=family.expert_layout == "interleaved",
         attention=_attention_shape(hf_config, layers[0]),
@@ -247,12 +230,6 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 def _down_width(module: nn.Module) -> int:
     down = getattr(module, "down_proj", None)
     return int(down.in_features) if isinstance(down, nn.Linear) else 0
-
-
-def _shared_width(block: nn.Module, family: MoEFamily) -> int:
-    if family.shared_experts is None:
-        return 0
-    return _down_width(block.get_submodule(family.shared_experts))
 
 
 def _dense_width(layers: list[nn.Module], moe_ids: set[int]) -> int:

@@ -28,17 +28,14 @@ COLUMNS = (
 def row(plan: Plan) -> list[str]:
     m, t = plan.memory, plan.time
     cross = " (across nodes)" if t.all_to_all_crosses_nodes else ""
+    gib = [
+        f"{b / _GIB:.1f}" for b in (m.params, m.grads, m.optimizer, m.activations, m.gathered, m.total_worst, m.total)
+    ]
     return [
         str(plan.layout.degree),
         str(plan.layout.replicate_degree),
         f"{plan.params_per_rank / 1e9:.2f} B",
-        f"{m.params / _GIB:.1f}",
-        f"{m.grads / _GIB:.1f}",
-        f"{m.optimizer / _GIB:.1f}",
-        f"{m.activations / _GIB:.1f}",
-        f"{m.gathered / _GIB:.1f}",
-        f"{m.total_worst / _GIB:.1f}",
-        f"{m.total / _GIB:.1f}",
+        *gib,
         "yes" if plan.fits else "no",
         f"{t.all_to_all_bytes / 1e6:.0f}{cross}",
         f"{t.all_to_all_share:.0%}",

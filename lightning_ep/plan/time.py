@@ -9,22 +9,19 @@ The model, per step and rank (``T`` tokens, ``d`` the degree, ``b`` bytes per ac
 - memory-bound passes at HBM bandwidth: ``PASSES_PER_ROW`` passes over each layer's ``T K x H``
   expert rows (permutes, SwiGLU, combine), ``PASSES_PER_TOKEN`` over ``T x H`` (norms, residuals,
   RoPE), the loss over ``T x V``, and AdamW streaming parameters, gradients and both states;
-- the all-to-all, not overlapped with compute: ``4 T K H b (d - 1) / d`` bytes per MoE layer (dispatch
-  and combine, forward and backward), at NVLink bandwidth within a node and at the network's for
-  the share of peers on other nodes, plus ``A2A_LATENCY_S`` per call; a third more under
-  ``activation_checkpointing=True``, whose recomputation exchanges again (``"keep_all_to_all"``
-  does not);
+- the all-to-all, not overlapped with compute: ``all_to_all_bytes`` per MoE layer at NVLink
+  bandwidth within a node and the network's for the peers on other nodes, plus ``A2A_LATENCY_S`` per
+  call (again in the recomputation of ``activation_checkpointing=True``, not of ``"keep_all_to_all"``);
 - activation checkpointing recomputes each layer's forward: compute, passes and host a third more;
-- FSDP2's all-gathers (forward and backward) and reduce-scatters, overlapped with compute: only
-  what exceeds the compute time shows; HSDP's all-reduce across replicas likewise.
+- FSDP2's all-gathers and reduce-scatters and HSDP's all-reduce, overlapped with compute: only what
+  exceeds the compute time shows;
 - a host floor of ``HOST_S_PER_STEP`` plus ``HOST_S_PER_LAYER`` per decoder layer (an eager step
-  launches hundreds of kernels per layer; the fine-grained benchmark shape is host-bound at degree 1).
+  launches hundreds of kernels per layer).
 
 The constants were set so that the two degree-1 steps recorded in ``benchmarks/RESULTS.md`` (one
 H200, bf16-true, 8,192 tokens: the "coarse" shape at 0.112 s, GPU-bound, and the "fine" one at
-0.076 s, host-bound) come out within 10%; ``benchmarks/bench_plan.py`` re-checks them.
-
-The defaults of ``Hardware.h100()`` and ``Hardware.h200()`` are stated with their sources there.
+0.076 s, host-bound) come out within 10%; ``benchmarks/bench_plan.py`` re-checks them. The
+``Hardware`` defaults are stated with their sources there.
 """
 
 from __future__ import annotations
@@ -50,16 +47,13 @@ class Hardware:
     """One GPU kind and its node.
 
     Attributes:
-        name: shown in tables.
-        memory_bytes: device memory (what ``torch.cuda.get_device_properties().total_memory`` says).
+        memory_bytes: device memory (``torch.cuda.get_device_properties().total_memory``).
         dense_tflops: sustained bf16 dense GEMM rate; peak_tflops: the datasheet's dense bf16 peak
             (MFU is quoted against it, as Megatron-Core does).
-        grouped_tflops: grouped GEMM rate (forward + backward) at wide experts inside a training
-            step (below the rate of the GEMM timed alone).
+        grouped_tflops: grouped GEMM rate (forward + backward) at wide experts inside a training step.
         hbm_gbps: HBM bandwidth reached by streaming kernels (GB/s).
-        nvlink_gbps: all-to-all bandwidth per GPU inside a node (GB/s, each direction).
-        network_gbps: bandwidth per GPU across nodes (GB/s, each direction).
-        allgather_gbps: FSDP2 all-gather / reduce-scatter bus bandwidth inside a node (GB/s).
+        nvlink_gbps, network_gbps: all-to-all bandwidth per GPU inside a node and across nodes (GB/s,
+            each direction); allgather_gbps: FSDP2's collectives' bus bandwidth inside a node.
     """
 
     name: str

@@ -1,7 +1,4 @@
-"""The Lightning side: ``ExpertParallelStrategy`` (``expert_parallel``) and what it needs around it:
-its arguments' checks (``arguments``), which model it parallelises (``model_selection``), the checks
-around each step (``step_checks``) with the reruns over a row budget (``budget_fallback``), errors
-shown once across ranks (``errors``) and the short name registered with Lightning (``registration``).
+"""The Lightning side: ``ExpertParallelStrategy`` (``expert_parallel``) and what it needs around it.
 
 Only this package, ``monitor`` and ``checkpoint`` import Lightning; ``ExpertParallelStrategy`` is
 imported on first use, so ``import lightning_ep.strategy.registration`` stays light.

@@ -1,9 +1,5 @@
-"""The checks of ``ExpertParallelStrategy``'s arguments, each with the argument, its value and the fix.
-
-Pure functions of the arguments (and of the Trainer's ``devices`` and ``num_nodes``), so that the
-strategy can run them as early as their facts are known: at construction, or when the Trainer
-hands it its devices (``ExpertParallelStrategy.set_world_ranks``).
-"""
+"""The checks of ``ExpertParallelStrategy``'s arguments, each with the argument, its value and the fix:
+pure functions, run as early as their facts are known (at construction, or in ``set_world_ranks``)."""
 
 from __future__ import annotations
 
@@ -54,7 +50,13 @@ def check_arguments(
         raise TypeError(
             f"ExpertParallelStrategy(execution=...) must be a lightning_ep.Execution, got {type(execution).__name__}."
         )
-    check_timeout(timeout)
+    # A number would fail only when the process group starts, after the processes were launched.
+    if timeout is not None and not isinstance(timeout, timedelta):
+        example = f"timedelta(seconds={timeout})" if isinstance(timeout, (int, float)) else "timedelta(minutes=30)"
+        raise TypeError(
+            f"ExpertParallelStrategy(timeout={timeout!r}): pass a datetime.timedelta, e.g. {example}, or None for "
+            "torch's default."
+        )
     if moe_model is not None and not isinstance(moe_model, str):
         raise TypeError(
             f"ExpertParallelStrategy(moe_model={moe_model!r}): pass the attribute path of the Hugging Face model "
@@ -75,17 +77,6 @@ def check_activation_checkpointing(value: Any, moe: MoEConfig) -> None:
             f"exchanges, but MoEConfig has moe_all_to_all_dispatcher={moe.moe_all_to_all_dispatcher}, capacity_factor="
             f"{moe.capacity_factor}; use the dropless all-to-all dispatcher (True, None) or "
             "activation_checkpointing=True."
-        )
-
-
-def check_timeout(value: Any) -> None:
-    """``timeout`` is a ``datetime.timedelta`` or ``None`` (a number would fail only when the process
-    group starts, after the processes were launched)."""
-    if value is not None and not isinstance(value, timedelta):
-        example = f"timedelta(seconds={value})" if isinstance(value, (int, float)) else "timedelta(minutes=30)"
-        raise TypeError(
-            f"ExpertParallelStrategy(timeout={value!r}): pass a datetime.timedelta, e.g. {example}, or None for "
-            "torch's default."
         )
 
 

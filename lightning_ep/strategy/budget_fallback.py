@@ -2,24 +2,19 @@
 dropped token.
 
 A static plan (``Execution(row_budget=...)``) sizes its exchanges from a row budget and reads
-nothing on the host, so a layer whose routing exceeds the budget leaves rows out of its output.
-Its ``RowBudget`` notes that on the device, with the same loads on every rank (they come from the
-gathered counts). ``BudgetFallback.attach`` puts two hooks on the model: a forward pre-hook (the
-first to run) keeps the call's arguments and the random state, and a forward hook (the last) reads
-the notes (one host sync per forward with gradients) and, if a layer went over, puts the random
-state back and calls the model again with the layers over budget on their dynamic plan (one host
-sync each), until none is over; the model's caller gets that call's output. So:
+nothing on the host, so a layer whose routing exceeds the budget leaves rows out of its output; its
+``RowBudget`` notes that on the device, alike on every rank. ``BudgetFallback.attach`` puts two hooks
+on the model: a forward pre-hook (the first to run) keeps the call's arguments and the random state,
+and a forward hook (the last) reads the notes (one host sync per forward with gradients) and, if a
+layer went over, restores the random state (torch's CPU and CUDA generators, each layer's draw
+counter and pending ``"balanced"`` load) and calls the model again with those layers on their
+dynamic plan (one host sync each), until none is over; the caller gets that call's output.
 
-- the random state is the one the first call started from: torch's CPU and CUDA generators, and
-  each MoE layer's draw counter (router jitter, token shuffle) and pending ``"balanced"`` load;
-- only the model's forward runs again: a user's ``training_step`` (its ``self.log`` calls, its
-  metrics) runs once, under automatic and manual optimization alike;
-- an automatic budget grows to fit the loads seen (``RowBudget.grow``; CUDA graphs of the layer are
-  released and captured anew); a forced one stays;
-- ``reruns`` counts the forwards run again (the strategy logs it as ``moe/budget_reruns``).
-
-The discarded forward is never backpropagated, so the gradients are exactly those of the dynamic
-plan. Forwards without gradients (evaluation) take the dynamic plan already.
+Only the model's forward runs again (``training_step`` and its ``self.log`` calls run once). An
+automatic budget grows to fit the loads seen (``RowBudget.grow``, recapturing the layer's CUDA
+graphs); a forced one stays. ``reruns`` counts the forwards run again (logged as
+``moe/budget_reruns``). The discarded forward is never backpropagated, so the gradients are exactly
+those of the dynamic plan. Forwards without gradients (evaluation) take the dynamic plan already.
 """
 
 from __future__ import annotations
@@ -35,11 +30,8 @@ if TYPE_CHECKING:
 
 
 class BudgetFallback:
-    """Reruns the model's forwards that went over a row budget (see the module docstring).
-
-    Args:
-        layers: the model's MoE layers; those whose dispatcher has a budget are watched.
-    """
+    """Reruns the model's forwards that went over a row budget (see the module docstring); of ``layers``,
+    those whose dispatcher has a budget are watched."""
 
     def __init__(self, layers: list[MoELayer]) -> None:
         self.layers = [lr for lr in layers if getattr(lr.dispatcher, "budget", None) is not None]
@@ -50,8 +42,7 @@ class BudgetFallback:
         self._rerunning = False
 
     def attach(self, model: nn.Module) -> list[RemovableHandle]:
-        """Hook ``model`` (the Hugging Face model whose forward calls the layers); nothing without
-        watched layers. Returns the handles."""
+        """Hook ``model`` (whose forward calls the layers) if a layer is watched; returns the handles."""
         if not self.layers:
             return []
         return [

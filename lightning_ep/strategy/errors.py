@@ -1,19 +1,14 @@
 """Configuration errors shown once per job: in full on rank 0, as a one-line note on the others.
 
-Under ``torchrun`` (or SLURM) every rank builds the Trainer and its strategy, so a bad argument
-raises the same error on every rank, and a job of N ranks printed N identical tracebacks. Inside
-``shown_once(rank)``, a plain ``ValueError`` or ``TypeError`` is raised unchanged on rank 0; any
-other rank prints one line that points at rank 0's message and raises ``ValueErrorOnOtherRank`` /
-``TypeErrorOnOtherRank`` instead. These are subclasses of the original type (``except ValueError``
-catches them as before, their ``__cause__`` is the original error) and of ``SystemExit`` with
-status 1, so when nothing catches them the interpreter exits without a traceback.
+Under ``torchrun`` (or SLURM) every rank builds the strategy, so a bad argument printed N identical
+tracebacks. Inside ``shown_once(rank)``, a plain ``ValueError`` or ``TypeError`` is raised unchanged on
+rank 0; any other rank prints one line pointing at rank 0's message and raises ``ValueErrorOnOtherRank``
+/ ``TypeErrorOnOtherRank``, with the original error as ``__cause__``: subclasses of its type and of
+``SystemExit`` with status 1, so when nothing catches them the interpreter exits without a traceback.
 
-Before raising, such a rank waits (``OTHER_RANKS_WAIT_S``): ``torchrun`` stops every worker as soon
-as one exits, so a rank that exited at once could take rank 0 down before it printed the error.
-Rank 0 exits first and ``torchrun`` stops the others (its summary names rank 0 as the root cause);
-where nothing stops them they exit after the wait. Only wrap checks whose outcome is the same on
-every rank (arguments, the layout, the model's structure); an error that one rank alone can meet
-must stay in full where it happens.
+Before raising, such a rank waits (``OTHER_RANKS_WAIT_S``): ``torchrun`` stops every worker as soon as
+one exits, so a rank that exited at once could take rank 0 down before it printed the error. Only
+wrap checks whose outcome is the same on every rank (arguments, the layout, the model's structure).
 """
 
 from __future__ import annotations
@@ -27,10 +22,8 @@ OTHER_RANKS_WAIT_S = 30.0
 
 
 class ErrorOnOtherRank(SystemExit):
-    """Raised on ranks other than 0 for a configuration error that rank 0 raises in full.
-
-    A ``SystemExit`` with status 1 whose message is the one-line note.
-    """
+    """Raised on ranks other than 0 for a configuration error that rank 0 raises in full: a
+    ``SystemExit`` with status 1 whose message is the one-line note."""
 
     def __init__(self, note: str) -> None:
         super().__init__(1)  # an int code: the interpreter exits with it and prints nothing
@@ -56,13 +49,8 @@ _ON_OTHER_RANKS: dict[type[Exception], type[ErrorOnOtherRank]] = {
 
 @contextmanager
 def shown_once(rank: int, *, wait_s: float = OTHER_RANKS_WAIT_S) -> Iterator[None]:
-    """Let a configuration error of the body through in full on rank 0 only (see the module).
-
-    Args:
-        rank: this process's global rank.
-        wait_s: how long a rank other than 0 waits before it raises (for the launcher to stop it
-            once rank 0 has failed).
-    """
+    """Let a configuration error of the body through in full on ``rank`` 0 only (see the module); the
+    other ranks wait ``wait_s`` before they raise, for the launcher to stop them."""
     try:
         yield
     except (ValueError, TypeError) as error:

@@ -64,50 +64,42 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
     Args:
         degree: expert-parallel degree ``d`` (ranks that split the experts of each layer). ``"auto"``
-            on CUDA picks the smallest degree whose plan (``lightning_ep.plan``) fits the device memory
-            with a margin, for ``plan_batch``, prints it on rank 0, and fails before any weight is
-            materialised if none fits; on CPU the largest divisor of the expert count that also divides
-            the devices per node (``lightning_ep.plan.auto``). With ``"auto"`` the mesh is built after
-            ``configure_model`` (the expert count is known only then), so ``self.device_mesh`` is not
-            available inside ``configure_model``; pass an int if the module needs it there.
+            picks it once the expert count is known (``lightning_ep.plan.auto``: on CUDA the smallest
+            degree whose plan fits the device memory for ``plan_batch``, failing before any weight is
+            materialised if none fits), so ``self.device_mesh`` is not available inside
+            ``configure_model``; pass an int if the module needs it there.
         replicate_degree: HSDP replicate degree ``R``; the world is ``R * E_dp * d`` ranks.
         moe: routing, balancing and dispatch options (``MoEConfig``).
-        activation_checkpointing: recompute each decoder layer in backward. ``"keep_all_to_all"``
-            also does, but keeps each MoE layer's dispatch plan and exchanged rows from the forward
-            so that the recomputation makes no collective and no host sync (all-to-all dispatcher
-            only; ``M x H + N x H`` more elements per layer held until its backward).
+        activation_checkpointing: recompute each decoder layer in backward. ``"keep_all_to_all"`` keeps
+            each MoE layer's dispatch plan and exchanged rows from the forward, so the recomputation
+            makes no collective and no host sync (``M x H + N x H`` more elements per layer).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3); ``False`` keeps them
             until backward (ZeRO-2: more memory, fewer all-gathers). ``None``: ZeRO-3, but kept at world
             size 1 (``Execution.single_rank_fsdp``).
-        execution: how the step runs, never what it computes (``lightning_ep.Execution``): compiled
-            dense parts, CUDA graphs, the token exchange, fused AdamW. Every choice is automatic by
-            default and printed once at setup on rank 0 in a short table; force one there.
+        execution: how the step runs, never what it computes (``lightning_ep.Execution``); every
+            choice is automatic by default and printed once at setup on rank 0.
         save_distributed_checkpoint: ``True`` saves one shard per rank (resumable at any degree);
             ``False`` gathers a single full checkpoint on rank 0. Either records ``moe`` and the MoE
-            shape (experts, top-k, MoE layers, model type; see ``lightning_ep.checkpoint.records``).
+            shape (``lightning_ep.checkpoint.records``).
         allow_moe_config_change: ``MoEConfig`` fields (``["moe_load_balancing"]`` to switch balancing
-            for the next phase) or MoE shape entries (``num_experts``, ``top_k``, ``num_moe_layers``,
-            ``model_type``) that may differ from a resumed checkpoint's record; any other difference is
-            refused before a weight is loaded (execution fields may always differ).
+            for the next phase) or MoE shape entries that may differ from a resumed checkpoint's record;
+            any other difference is refused before a weight is loaded.
         log_moe_losses: log the per-layer and total aux and z losses at each optimizer step (their
-            mean over the step's micro-batches; after each ``training_step`` under manual optimization).
-        check_finite: raise ``FloatingPointError`` naming the MoE layer and the step if a router
-            logit or a layer output of a training forward was NaN or infinite, before the optimizer
-            step that would apply its gradients; the flags ride on the loss-logging all-reduce and
-            are read after backward was launched (no stall between forward and backward).
+            mean over the step's micro-batches).
+        check_finite: raise ``FloatingPointError`` naming the MoE layer and the step if a router logit
+            or a layer output of a training forward was not finite, before the optimizer step; the
+            flags ride on the loss-logging all-reduce (no stall between forward and backward).
         deterministic: ``torch.use_deterministic_algorithms(True)`` for the run; with the same seed,
             two CPU runs give bitwise-identical losses (see the README for GPU).
         tensor_parallel_size: must be 1; tensor parallelism alongside EP is not supported.
         process_group_backend: ``"nccl"``, ``"gloo"``, or ``None`` for the device's default.
         timeout: collective timeout (a ``datetime.timedelta``).
-        moe_model: attribute path of the Hugging Face MoE model to parallelise (``"model"``,
-            ``"policy"``) when the module holds several; the others stay frozen and whole, trainable
-            modules outside them are FSDP2-sharded (``lightning_ep.strategy.model_selection``).
+        moe_model: attribute path of the Hugging Face MoE model to parallelise when the module holds
+            several (``lightning_ep.strategy.model_selection``).
         plan_batch: ``(micro_batch, seq)`` per GPU that ``degree="auto"`` plans the memory for.
 
     A configuration error is raised in full on rank 0 and as a one-line note on the other ranks
-    (``lightning_ep.strategy.errors``); ``degree`` and the precision are checked against the
-    Trainer's ``devices``, ``num_nodes`` and ``precision`` inside ``Trainer(...)`` already.
+    (``lightning_ep.strategy.errors``), inside ``Trainer(...)`` already where it can.
     """
 
     def __init__(
@@ -144,10 +136,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 degree=degree,
                 replicate_degree=replicate_degree,
                 moe=moe,
-                activation_checkpointing=activation_checkpointing,
                 execution=execution,
-                tensor_parallel_size=tensor_parallel_size,
                 timeout=timeout,
+                activation_checkpointing=activation_checkpointing,
+                tensor_parallel_size=tensor_parallel_size,
                 moe_model=moe_model,
             )
             allowed = checkpoints.check_allowed(allow_moe_config_change)
@@ -175,13 +167,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         """The expert-parallel degree (an int once resolved)."""
         return self._degree
 
-    # ----------------------------------------------------------------------------- environment
-
     @override
     def set_world_ranks(self) -> None:
-        """Also check the layout and the precision against the Trainer's arguments: Lightning calls
-        this once it has given the strategy its devices, ``num_nodes`` and precision plugin, inside
-        ``Trainer.__init__`` (so, under Lightning's own launcher, once, before processes start)."""
+        """Also check the layout and the precision against the Trainer's arguments, which Lightning has
+        given the strategy by now, inside ``Trainer.__init__``."""
         super().set_world_ranks()
         with shown_once(self.global_rank):
             check_precision(self.precision_plugin.precision)
@@ -225,8 +214,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         # Every rank, EP ranks included, is a data-parallel rank with its own data.
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    # ----------------------------------------------------------------------------- setup
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
@@ -249,11 +236,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         with shown_once(self.global_rank):
             self.resolved = resolve_for(self, selection.model)
         self._parallelize(selection.model)
-        shard_dense_modules(
-            list(selection.extras.values()),
-            self.device_mesh,
-            **fsdp_options(self),
-        )
+        shard_dense_modules(list(selection.extras.values()), self.device_mesh, **fsdp_options(self))
         for part in (selection.model, *selection.others.values(), *selection.extras.values()):
             materialize_if_meta(part, self.root_device, pretrained_dtype=self._parameter_dtype())
         self.model = self.precision_plugin.convert_module(self.model)
@@ -289,12 +272,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         ModelParallelStrategy.precision_plugin.fset(self, None if plugin is None else mesh_aware(plugin))  # type: ignore[attr-defined]
 
     def _parameter_dtype(self) -> torch.dtype:
-        """The dtype the parameters are kept in under the Trainer's precision: the compute dtype for
-        ``*-true``, fp32 master weights for ``*-mixed`` and ``32-true``."""
-        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-        return {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}.get(
-            precision, torch.float32
-        )
+        """The parameters' dtype under the Trainer's precision (``*-mixed``: fp32 master weights)."""
+        dtypes = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+        return dtypes.get(str(getattr(self.precision_plugin, "precision", "32-true")), torch.float32)
 
     def _parallelize(self, hf_model: nn.Module) -> None:
         """Transform, optionally checkpoint, and shard ``hf_model`` (idempotent). Packed rows are masked
@@ -346,16 +326,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self._step_checks.release()
         super().teardown()
 
-    # ----------------------------------------------------------------------------- checkpoints
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Save atomically: write ``<path>.partial``, then rename it to ``<path>``.
-
-        A process killed mid-save leaves the previous checkpoint untouched and a ``.partial`` folder
-        (or file) that ``load_checkpoint`` refuses by name. The checkpoint records ``moe`` and the MoE
-        shape, which ``load_checkpoint`` checks before restoring any weight (``lightning_ep.checkpoint.records``).
-        """
+        """Save atomically (``<path>.partial``, then renamed) with the MoE record that ``load_checkpoint``
+        checks before restoring any weight (``lightning_ep.checkpoint.records``)."""
         path = Path(self.broadcast(str(filepath)))
         partial = checkpoints.partial_path(path)
         if self.is_global_zero:
@@ -422,8 +396,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
 
 def _optimizers_to_device(optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
-    """Move optimizer state that is not on ``device`` there (as ``ModelParallelStrategy.setup`` does);
-    the ``step`` counts stay where they are, DTensors are placed by their mesh already."""
+    """Move optimizer state to ``device`` as ``ModelParallelStrategy.setup`` does, except the ``step``
+    counts and DTensors (placed by their mesh)."""
     for optimizer in optimizers:
         for state in optimizer.state.values():
             for key, value in state.items():

@@ -6,12 +6,10 @@
 - **Other MoE models** (a frozen reference model, as in DPO or RL fine-tunes): kept as they are,
   whole on every rank, with their own MoE blocks (no expert parallelism, no communication). They
   must have no trainable parameter: a trainable one would train on each rank apart and drift.
-- **Extra trainable modules** outside those models (a value head): FSDP2 over the whole mesh, like
-  the model's dense parts, one unit each (``lightning_ep.parallel.fsdp.shard_dense_modules``), so
-  their gradients are averaged over every rank as in data parallelism. FSDP2 gathers a module's
-  weights in its ``forward``: call the module, not its weights. A trainable parameter held
-  directly by a module that also holds an MoE model (``self.scale = nn.Parameter(...)`` on the
-  LightningModule) cannot be sharded on its own and is refused, with the fix.
+- **Extra trainable modules** outside those models (a value head): FSDP2 over the whole mesh, one
+  unit each (``parallel.fsdp.shard_dense_modules``), so their gradients are averaged over every rank.
+  FSDP2 gathers a module's weights in its ``forward``: call the module, not its weights. A trainable
+  parameter held directly by a module that also holds an MoE model cannot be sharded and is refused.
 """
 
 from __future__ import annotations
@@ -26,14 +24,8 @@ from lightning_ep.transform import moe_layers
 
 @dataclass(frozen=True)
 class Selection:
-    """What the strategy does with each part of the module (see the module docstring).
-
-    Attributes:
-        path: attribute path of the MoE model in the LightningModule (``"model"``, ``"policy"``).
-        model: the MoE model.
-        others: ``{path: model}`` of the other MoE models, left whole on every rank.
-        extras: ``{path: module}`` of the trainable modules outside them, to shard with FSDP2.
-    """
+    """The MoE ``model`` at attribute ``path`` of the LightningModule, the ``others`` (``{path: model}``,
+    left whole on every rank) and the ``extras`` (``{path: module}``, to shard with FSDP2)."""
 
     path: str
     model: nn.Module
@@ -51,11 +43,8 @@ def _is_moe_model(module: nn.Module, smp_moe: bool) -> bool:
 
 
 def moe_model_candidates(module: nn.Module, smp_moe: bool) -> dict[str, nn.Module]:
-    """``{attribute path: model}`` of the outermost MoE models inside ``module``.
-
-    Raises:
-        ValueError: there is none (naming the Hugging Face models found, or the unsupported family).
-    """
+    """``{attribute path: model}`` of the outermost MoE models inside ``module``; ``ValueError`` if none
+    (naming the Hugging Face models found, or the unsupported family)."""
     candidates: dict[str, nn.Module] = {}
     hf_models: list[str] = []
     family_error: ValueError | None = None
@@ -83,12 +72,9 @@ def moe_model_candidates(module: nn.Module, smp_moe: bool) -> dict[str, nn.Modul
 
 def select(module: nn.Module, moe_model: str | None, *, smp_moe: bool) -> Selection:
     """Find the MoE model (``moe_model``: its attribute path, or ``None`` for the only one), the other
-    MoE models and the extra trainable modules of ``module``, and refuse what cannot be trained right.
-
-    Raises:
-        ValueError: no MoE model; several and none named; ``moe_model`` names no MoE model; another
-            MoE model has trainable parameters; a trainable parameter sits directly on a module
-            that holds an MoE model.
+    MoE models and the extra trainable modules of ``module``; ``ValueError`` for no MoE model, several
+    and none named, ``moe_model`` naming none, another with trainable parameters, or a trainable
+    parameter directly on a module holding an MoE model.
     """
     candidates = moe_model_candidates(module, smp_moe)
     if moe_model is None:

@@ -1,9 +1,6 @@
 """What ``ExpertParallelStrategy`` does around each training step: the MoE losses averaged over
-ranks and logged, the non-finite check, the row budgets' reruns, and clipping across meshes.
-
-The strategy runs ``StepChecks.before_optimizer_step`` from the closure it hands the precision
-plugin (``ExpertParallelStrategy.optimizer_step``), and the precision plugin Lightning picks for the
-Trainer's ``precision`` is replaced by its subclass here that clips across meshes (``mesh_aware``)."""
+ranks and logged, the non-finite check, the row budgets' reruns, and clipping across meshes
+(``mesh_aware``: the precision plugin's subclass that clips across meshes)."""
 
 from __future__ import annotations
 
@@ -28,32 +25,27 @@ if TYPE_CHECKING:
 class StepChecks:
     """Per-step MoE losses and non-finite flags, averaged over ranks with one all-reduce.
 
-    ``after_forward`` runs after each ``training_step``; ``before_optimizer_step`` once the closure
-    (forward and backward) has been launched, before the optimizer step and Lightning's
-    ``on_before_optimizer_step`` hooks and clipping (``ExpertParallelStrategy.optimizer_step``).
-    Each forward's averaged values are copied to pinned host memory right after its all-reduce
-    (queued, not waited for); ``before_optimizer_step`` waits for the last copy, which is the
-    forward's end, not the backward's, raises on a non-finite flag and logs the losses averaged over
-    the step's micro-batches as CPU tensors. So logging, the progress bar included, never makes the
-    host wait for the GPU: a device tensor logged with ``prog_bar=True`` would be read back
-    (``.item()``) at every batch end, draining the GPU's queue between steps.
+    ``after_forward`` runs after each ``training_step``; ``before_optimizer_step`` from the closure
+    handed to the precision plugin, after forward and backward were launched and before the optimizer
+    step and Lightning's clipping (``ExpertParallelStrategy.optimizer_step``). Each forward's averaged
+    values are copied to pinned host memory right after its all-reduce (queued, not waited for);
+    ``before_optimizer_step`` waits for the last copy (the forward's end, not the backward's), raises
+    on a non-finite flag and logs the losses, averaged over the step's micro-batches, as CPU tensors:
+    a device tensor logged with ``prog_bar=True`` would be read back at every batch end, draining the
+    GPU's queue between steps.
 
-    Args:
-        check_finite: keep the layers' non-finite flags and raise on one.
-        log_losses: log ``moe/aux_loss``, ``moe/z_loss`` and their per-layer values.
-        precision: the Trainer's precision; with ``"32-true"`` and half-precision MoE weights, the
-            non-finite error names the weights' dtype as the cause (see ``nonfinite_fix``).
+    ``check_finite``: keep the layers' non-finite flags and raise on one; ``log_losses``: log
+    ``moe/aux_loss``, ``moe/z_loss`` and their per-layer values; ``precision``: the Trainer's, for the
+    cause the non-finite error names (``nonfinite_fix``).
     """
 
     def __init__(self, *, check_finite: bool, log_losses: bool, precision: str = "32-true") -> None:
         self.check_finite = check_finite
         self.log_losses = log_losses
         self.precision = precision
-        # The layers of the last forward, for the dtype of their weights in the non-finite error.
-        self._layers: list[MoELayer] = []
+        self._layers: list[MoELayer] = []  # of the last forward, for the non-finite error
         # Per micro-batch since the last optimizer step: the host copy of the all-reduced
-        # [aux..., z..., flags...] (flags only with check_finite) and, on CUDA, the event that marks
-        # the copy done.
+        # [aux..., z..., flags...] (flags only with check_finite).
         self._pending: list[HostCopy] = []
         # The layers' dispatchers that keep a static row budget (``watch_budgets``).
         self._budgets: list[Any] = []
@@ -63,22 +55,18 @@ class StepChecks:
 
     def after_forward(self, layers: list[MoELayer], module: pl.LightningModule, device: torch.device) -> None:
         """Average the per-layer losses and non-finite flags over ranks (one all-reduce, no host
-        sync) and queue their copy to the host. Under manual optimization (the optimizer steps ran
-        inside ``training_step``) the flags are read and the losses logged at once."""
-        if not layers or not (self.check_finite or self.log_losses):
-            if not module.automatic_optimization:
-                self.before_optimizer_step(module)
-            return
-        self._layers = layers
-        parts = [*(lr.aux_loss for lr in layers), *(lr.z_loss for lr in layers)]
-        if self.check_finite:
-            parts += [lr.nonfinite.float() for lr in layers]
-        stacked = torch.stack([p.to(device=device, dtype=torch.float32) for p in parts])
-        if dist.is_available() and dist.is_initialized() and (world := dist.get_world_size()) > 1:
-            # A plain all-reduce: no barrier and no host sync (unlike Lightning's sync_ddp).
-            dist.all_reduce(stacked)
-            stacked = stacked / world
-        self._pending.append(_queue_to_host(stacked))
+        sync) and queue their copy to the host; under manual optimization, check and log at once."""
+        if layers and (self.check_finite or self.log_losses):
+            self._layers = layers
+            parts = [*(lr.aux_loss for lr in layers), *(lr.z_loss for lr in layers)]
+            if self.check_finite:
+                parts += [lr.nonfinite.float() for lr in layers]
+            stacked = torch.stack([p.to(device=device, dtype=torch.float32) for p in parts])
+            if dist.is_available() and dist.is_initialized() and (world := dist.get_world_size()) > 1:
+                # A plain all-reduce: no barrier and no host sync (unlike Lightning's sync_ddp).
+                dist.all_reduce(stacked)
+                stacked = stacked / world
+            self._pending.append(_queue_to_host(stacked))
         if not module.automatic_optimization:
             self.before_optimizer_step(module)
 
@@ -91,15 +79,14 @@ class StepChecks:
         n = len(self._layers)
         if pending and self.check_finite:
             self._raise_if_nonfinite(torch.stack([copy.host[2 * n :] for copy in pending]).amax(0), module)
-        self._raise_if_over_budget()
+        for dispatcher in self._budgets:  # rows past a static budget that no rerun took back
+            dispatcher.raise_if_over_budget()
         if module is not None and self.fallback.layers:  # a CPU tensor: read without waiting for the GPU
             reruns = torch.tensor(float(self.fallback.reruns))
             module.log("moe/budget_reruns", reruns, on_step=True, on_epoch=False, sync_dist=False)
         if not pending or module is None or not self.log_losses:
             return
-        total = pending[0].host[: 2 * n]
-        for copy in pending[1:]:
-            total = total + copy.host[: 2 * n]
+        total = sum((copy.host[: 2 * n] for copy in pending[1:]), pending[0].host[: 2 * n])
         aux, z = total[:n] / len(pending), total[n:] / len(pending)
         # CPU tensors: Lightning reads progress-bar values back at every batch end.
         metrics = {"moe/aux_loss": aux.sum(), "moe/z_loss": z.sum()}
@@ -109,11 +96,9 @@ class StepChecks:
         module.log_dict(per_layer, sync_dist=False, on_step=True, on_epoch=False)
 
     def watch_budgets(self, layers: list[MoELayer], model: nn.Module | None = None) -> None:
-        """Check the row budgets of ``layers``' dispatchers (a static plan) on every rank at once,
-        instead of at their dispatches (where the copy of an excess may reach one rank's host before
-        another's): ``fallback``'s hooks on ``model`` read them after each forward and run it again;
-        what they have not read (no ``model``, or a forward that bypassed it) raises before the
-        optimizer step."""
+        """Check the row budgets of ``layers``' dispatchers on every rank at once, not at their dispatches
+        (where an excess may reach one rank's host before another's): ``fallback``'s hooks on ``model``
+        rerun a forward over budget; an excess they did not read raises before the optimizer step."""
         self.release()
         self._budgets = [lr.dispatcher for lr in layers if getattr(lr.dispatcher, "budget", None) is not None]
         self.fallback = BudgetFallback(layers if model is not None else [])
@@ -127,15 +112,9 @@ class StepChecks:
             handle.remove()
         self._hooks = []
 
-    def _raise_if_over_budget(self) -> None:
-        """Dispatchers with a static row budget (symmetric memory with ``max_tokens_per_rank``) left
-        out the rows past it; raise before the optimizer step takes that step's gradients."""
-        for dispatcher in self._budgets:
-            dispatcher.raise_if_over_budget()
-
     def _raise_if_nonfinite(self, flags: torch.Tensor, module: pl.LightningModule | None) -> None:
         """Raise if a forward since the last check had a non-finite value on any rank (``flags``: the
-        host's per-layer maximum over those forwards, which every rank has after the all-reduce)."""
+        per-layer maximum over those forwards)."""
         if not bool(flags.any()):
             return
         bad = [i for i, flag in enumerate(flags.tolist()) if flag > 0]
@@ -163,8 +142,7 @@ def _queue_to_host(values: torch.Tensor) -> HostCopy:
 
 def nonfinite_fix(precision: str, layers: list[MoELayer]) -> str:
     """The likely cause and fix of a non-finite MoE value: half-precision weights under ``"32-true"``
-    (no autocast and no loss scaling: the layers compute in the weights' own dtype, and float16
-    overflows past 65504), else the usual training instability."""
+    (no autocast: the layers compute in the weights' own dtype), else the usual instability."""
     half = (torch.float16, torch.bfloat16)
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for lr in layers for p in lr.parameters() if p.dtype in half})
     if precision == "32-true" and dtypes:
@@ -205,8 +183,8 @@ class MeshAwareMixedPrecision(_ClipsAcrossMeshes, MixedPrecision):
 
 
 def mesh_aware(plugin: Precision) -> Precision:
-    """The precision plugin Lightning chose for the Trainer's ``precision``, as its subclass that clips
-    across meshes (the same arguments); a plugin of another class (a user's own) is kept as it is."""
+    """The precision plugin Lightning chose, as its subclass that clips across meshes (same arguments);
+    a plugin of another class (a user's own) is kept as it is."""
     kind = type(plugin)
     if kind is Precision:
         return MeshAwarePrecision()
