@@ -14,6 +14,7 @@ mirrored order, ``--rows a b c c b a``, to see the run-to-run spread):
   the reference, whose final loss the other rows' gaps are taken to.
 - ``bf16-true+adamw``: bf16 parameters, ``lightning_ep.optim.AdamW`` (torch's fused AdamW bit for
   bit, one kernel per large tensor): learns as ``bf16-true`` does, at its own speed.
+- ``32-true``: fp32 throughout, ``torch.optim.AdamW(fused=True)``: the arithmetic the others round.
 
 Every row starts from one random initialisation (a bf16 checkpoint written once with ``--seed``,
 read by ``lightning_ep.models.pretrained.from_pretrained``: the same values in bf16 and fp32
@@ -93,9 +94,10 @@ ROWS = {
     "bf16-true+sr": Recipe("bf16-true", "torchao-sr", "bf16-true, torchao _AdamW(bf16_stochastic_round=True)"),
     "bf16-mixed": Recipe("bf16-mixed", "torch", "bf16-mixed (fp32 master weights), torch AdamW(fused=True)"),
     "bf16-true+adamw": Recipe("bf16-true", "lightning_ep", "bf16-true, lightning_ep.optim.AdamW"),
+    "32-true": Recipe("32-true", "torch", "32-true (fp32 throughout), torch AdamW(fused=True)"),
 }
 REFERENCE = "bf16-mixed"
-PARAM_DTYPES = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.float32}
+PARAM_DTYPES = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.float32, "32-true": torch.float32}
 
 
 # ---------------------------------------------------------------- the data
@@ -483,13 +485,13 @@ def main() -> None:
             torch.cuda.empty_cache()
         log({k: v for k, v in result.items() if k not in ("losses", "lrs")})
         runs.append(result)
+        if rank() == 0:  # after every row, so a run cut short keeps the rows it finished
+            write_curves(Path(args.out or f"bench_precision_{args.shape}.json"), runs, args, shape, floor)
 
     table, notes = summarize(runs, args, shape, floor)
     report(f"bench_precision: {args.shape}, {world()} GPU(s)", table, notes, args.record, args.results)
     if rank() == 0:
-        out = Path(args.out or f"bench_precision_{args.shape}.json")
-        write_curves(out, runs, args, shape, floor)
-        log(f"curves written to {out}")
+        log(f"curves written to {args.out or f'bench_precision_{args.shape}.json'}")
     if dist.is_initialized():
         dist.destroy_process_group()
     if any(r["status"] != "ok" for r in runs):
