@@ -45,17 +45,15 @@ def transform(
             Only the sparse MoE blocks are replaced; dense MLP layers interleaved with them stay.
         config: routing, balancing and dispatch options; ``smp_moe=False`` returns ``model`` untouched.
         mesh: ``None`` for one process. A mesh from ``init_mesh`` shards the experts on its ``"ep"``
-            axis and exchanges tokens there (see ``lightning_ep.parallel.expert``).
-        execution: how the layers run their exchange and experts (``LayerExecution``; the defaults:
-            the collective exchange, no CUDA graphs). ``ExpertParallelStrategy`` passes the one its
-            ``Execution`` resolves to. Given again on a transformed model, it replaces the layers'.
+            axis and exchanges tokens there (``lightning_ep.parallel.expert``).
+        execution: how the layers run (``LayerExecution``; ``ExpertParallelStrategy`` passes the one
+            its ``Execution`` resolves to). Given again on a transformed model, it replaces the layers'.
     Packed rows (``position_ids`` restarting at 0 per document, no ``attention_mask``, as transformers'
     ``DataCollatorWithFlattening`` makes them) are masked per document whatever ``config.use_cache``
     says (``lightning_ep.models.causal_mask.separate_packed_documents``).
 
-    Returns:
-        ``model`` itself. Calling it again on a transformed model with the same ``config`` only
-        applies ``mesh``; with another ``config`` it raises ``ValueError`` (``check_config_in_force``).
+    Returns ``model`` itself. Calling it again on a transformed model with the same ``config`` only
+    applies ``mesh``; with another ``config`` it raises ``ValueError`` (``check_config_in_force``).
     """
     config = config if config is not None else MoEConfig()
     if not isinstance(config, MoEConfig):
@@ -105,7 +103,7 @@ def _apply_execution(model: nn.Module, config: MoEConfig, execution: LayerExecut
     from lightning_ep.moe.dispatch.select import make_dispatcher
 
     for layer in moe_layers(model):
-        group = None if mesh is not None else getattr(layer.dispatcher, "group", None)
+        group = None if mesh is not None else layer.dispatcher.group
         degree = mesh["ep"].size() if mesh is not None else (group.size() if group is not None else 1)
         execution.check(config, degree)
         layer.set_execution(execution)
@@ -115,8 +113,7 @@ def _apply_execution(model: nn.Module, config: MoEConfig, execution: LayerExecut
 
 def check_execution_in_force(model: nn.Module, execution: LayerExecution) -> None:
     """Refuse a model whose MoE layers were given other execution choices by hand
-    (``transform(..., execution=...)``) than ``execution``, the strategy's: the strategy's ``Execution``
-    is the one home of those choices."""
+    (``transform(..., execution=...)``) than the strategy's ``execution``, the one home of those choices."""
     for layer in moe_layers(model):
         if layer.execution not in (LayerExecution(), execution):
             raise ValueError(
@@ -127,19 +124,12 @@ def check_execution_in_force(model: nn.Module, execution: LayerExecution) -> Non
 
 
 def check_config_in_force(model: nn.Module, config: MoEConfig, *, asked_by: str, fix: str) -> None:
-    """Refuse ``config`` for a model whose ``MoELayer``s were built with another ``MoEConfig``.
+    """Refuse ``config`` for a model whose ``MoELayer``s were built with another ``MoEConfig``: a
+    ``ValueError`` naming every differing field, who asks for it (``asked_by``) and the ``fix``.
 
     The layers' routing, losses and dispatch were fixed when they were built; accepting another
     config would leave theirs silently in force. Re-applying it in place is not attempted: a new
     balancing mode changes the layers' buffers (``gate.expert_bias``) and state-dict keys.
-
-    Args:
-        model: any module; one without ``MoELayer``s is always accepted.
-        config: the config asked for.
-        asked_by: who asks for ``config``, as the message should name it.
-        fix: what the user should do instead, for the message.
-    Raises:
-        ValueError: naming every differing field with the value in force and the value asked for.
     """
     for in_force in dict.fromkeys(layer.config for layer in moe_layers(model)):
         differences = config_differences(in_force, config)

@@ -1,47 +1,39 @@
 """``Execution``: how the training step runs, never what it computes, chosen automatically.
 
-Every option is ``"auto"`` by default: ``resolve`` picks, from what the strategy can see (device
-type, Triton, nodes, degree, precision, activation checkpointing, the ``MoEConfig``), the fastest
-path that gives the same numbers, and leaves off what it cannot show to be safe there. ``True`` /
-``False`` (or a named exchange) force a choice for benchmarking and debugging; a forced choice that
-cannot apply is refused before any work starts. ``resolve`` is a pure function of the arguments, so
-the setup table it returns is tested for any environment on CPU.
+Every option is ``"auto"`` by default: ``resolve`` picks, from what the strategy can see
+(``Environment``), the fastest path that gives the same numbers, and leaves off what it cannot show
+to be safe there. ``True`` / ``False`` (or a named exchange) force a choice for benchmarking and
+debugging; a forced choice that cannot apply is refused before any work starts. ``resolve`` is a
+pure function, so its setup table is tested for any environment on CPU.
 
-What each choice does:
+What each choice does, and what ``"auto"`` picks:
 
 - ``compile``: ``torch.compile`` the dense parts of each decoder layer, the routing of each MoE
   layer, the loss and the output head with its final norm (``lightning_ep.parallel.compile``);
-  Inductor's kernels, float sums reordered.
-- ``cuda_graphs``: replay each MoE layer's dispatch, experts and combine, forward and backward, as
-  CUDA graphs (``lightning_ep.moe.graphs``), the same bits. Needs a static plan and experts whose
-  weights stay in place (expert-parallel degree = world size), bf16 experts, no activation
-  checkpointing, a dropless dispatch and, for LoRA on the experts, ranks that are multiples of 8.
-  Auto leaves it off for large experts (``LARGE_EXPERT_ELEMENTS``): their GEMMs keep the GPU busy,
-  so replaying saves no host time, and outside graphs their backward runs one cuBLAS GEMM per
-  expert on the forward's counts copied to the host meanwhile (``GroupedExperts``), faster than the
-  grouped GEMMs and, for fp32 master weights, with fp32 weight gradients from the GEMMs (no bf16
-  rounding, no widening pass).
+  Inductor's kernels, float sums reordered. Auto: on CUDA with Triton.
+- ``cuda_graphs``: replay each MoE layer's dispatch, experts and combine as CUDA graphs
+  (``moe.graphs``), the same bits, where ``moe.layer_execution.graphs_blocker`` allows. Auto: on
+  where the plan is static without a row budget (degree = world size = 1), off for large experts
+  (``LARGE_EXPERT_ELEMENTS``, unless they carry LoRA adapters): their GEMMs keep the GPU busy, so
+  replaying saves no host time, and outside graphs their backward runs one cuBLAS GEMM per expert
+  on the forward's counts copied to the host meanwhile (``GroupedExperts``), faster than the
+  grouped GEMMs and, for fp32 master weights, with fp32 weight gradients.
 - ``exchange``: ``"collective"`` (the process group's all-to-all or all-gather: NCCL on GPUs, gloo
-  on CPU) or ``"symmetric_memory"`` (each GPU pulls its rows from the
-  others' memory over NVLink; one node only; the same bits).
+  on CPU; auto) or ``"symmetric_memory"`` (each GPU pulls its rows from the others' memory over
+  NVLink; one node only; the same bits).
 - ``token_dedup``: each token sent once per destination rank instead of once per expert (the same
-  math; fewer bytes when a token's experts share ranks, more gradient bytes in fp32).
-- ``row_budget``: the static size ``R`` of every rank's received rows (no host sync): the padded
-  all-to-all (``lightning_ep.moe.dispatch.static.padded``; ``"auto"`` sizes ``R`` from the first step's
-  loads and grows it) or the symmetric-memory exchange (an int). A layer whose routing exceeds ``R``
-  is never an error under ``ExpertParallelStrategy``: the model's forward runs again with the layer
-  on the dynamic plan (``lightning_ep.strategy.budget_fallback``), counted in ``moe/budget_reruns``. ``None``:
-  the dynamic plan (one host sync per layer).
-- ``single_rank_fsdp``: with one rank in all (world size 1), the dense parameters skip FSDP2
-  (``lightning_ep.parallel.single_rank``): DTensors on the one-rank mesh whose local tensors the
-  forward uses in place, or through one fused cast per forward in ``bf16-mixed``, and whose
-  gradients are handed over as they are (cast to fp32 in ``bf16-mixed``). The same bits as FSDP2 (a
-  reduction over one rank sums nothing) without its copies of every dense parameter and gradient;
-  in ``bf16-mixed`` the bf16 copy of the dense parameters is held between steps. Not with gradient
-  accumulation, where FSDP2 sums the micro-batches in its reduce dtype (fp32), nor with activation
-  checkpointing, whose recomputation in backward would read the DTensors. Modules outside the
-  model (a value head) keep FSDP2, with the gathered parameters kept from forward to backward and
-  gradients reduced in the parameter dtype.
+  math; fewer bytes when a token's experts share ranks, more gradient bytes in fp32). Auto: off.
+- ``row_budget`` (not ``"auto"``): the static size ``R`` of every rank's received rows (no host
+  sync): the padded all-to-all (``"auto"`` sizes ``R`` from the first step's loads and grows it) or
+  the symmetric-memory exchange (an int). A layer over ``R`` makes the forward run again with it on
+  the dynamic plan (``strategy.budget_fallback``), counted in ``moe/budget_reruns``. ``None`` (the
+  default): the dynamic plan (one host sync per layer).
+- ``single_rank_fsdp``: at world size 1 the dense parameters skip FSDP2 (``parallel.single_rank``):
+  the same bits (a reduction over one rank sums nothing) without its copies of every dense
+  parameter and gradient; ``bf16-mixed`` holds a bf16 copy between steps. Not with gradient
+  accumulation (FSDP2 sums the micro-batches in fp32), activation checkpointing (its recomputation
+  would read the DTensors) or ``reshard_after_forward=True``. Modules outside the model (a value
+  head) keep FSDP2.
 - ``fused_adamw``: a report, not a choice (``lightning_ep.execution.adamw``): whether the optimizers
   Lightning set up step with ``lightning_ep.optim.AdamW``'s kernels; ``True`` / ``False`` assert it.
 """
@@ -67,24 +59,7 @@ LARGE_EXPERT_ELEMENTS = 2**25
 
 @dataclass(frozen=True, kw_only=True)
 class Execution:
-    """How the step runs (see the module docstring); ``"auto"`` everywhere by default.
-
-    Args:
-        compile: compile the dense parts, the routing, the loss and the head. Auto: on CUDA with Triton.
-        cuda_graphs: replay MoE layers as CUDA graphs. Auto: on CUDA with Triton where the plan is
-            static without a row budget (one expert-parallel rank per world: degree = world size = 1),
-            bf16 precision, no activation checkpointing, a dropless dispatch, experts that are not
-            large (or carry LoRA adapters).
-        exchange: how tokens cross ranks. Auto: ``"collective"``.
-        token_dedup: deduplicate the dropless all-to-all. Auto: off.
-        row_budget: static received rows per rank (an int, or ``"auto"`` for the padded all-to-all);
-            ``None``: the dynamic plan. Auto is not a default: it is ``None`` unless given.
-        single_rank_fsdp: at world size 1, use the dense parameters in place instead of through FSDP2.
-            Auto: on at world size 1 without gradient accumulation or activation checkpointing, unless
-            ``reshard_after_forward=True`` is given to the strategy.
-        fused_adamw: whether ``lightning_ep.optim.AdamW``'s kernels step the optimizer (only that class
-            has them). Auto: reported. True / False: refused where the optimizers contradict them.
-    """
+    """How the step runs (see the module docstring); ``"auto"`` everywhere by default."""
 
     compile: bool | Auto = "auto"
     cuda_graphs: bool | Auto = "auto"
@@ -144,10 +119,8 @@ class Environment:
 
     def describe(self) -> str:
         nodes = f"{self.num_nodes} node{'s' if self.num_nodes > 1 else ''}"
-        device = "GPU" if self.device_type == "cuda" else "process"
-        count = f"{self.devices_per_node} {device}{'es' if device == 'process' and self.devices_per_node > 1 else ''}"
-        if device == "GPU" and self.devices_per_node > 1:
-            count += "s"
+        device, plural = ("GPU", "s") if self.device_type == "cuda" else ("process", "es")
+        count = f"{self.devices_per_node} {device}{plural if self.devices_per_node > 1 else ''}"
         return f"{self.device_type}, {nodes} x {count}, degree {self.degree}, {self.precision}"
 
 
@@ -197,11 +170,8 @@ class Resolved:
 
 
 def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
-    """The choices in force for ``execution`` in ``env`` with ``moe``, and the table that says why.
-
-    Raises:
-        ValueError: a forced choice that cannot apply here, naming the option, its value and the fix.
-    """
+    """The choices in force for ``execution`` in ``env`` with ``moe``, and the table that says why; a
+    ``ValueError`` for a forced choice that cannot apply here, naming the option, its value and the fix."""
     cuda = env.device_type == "cuda"
     fast = cuda and env.triton
     no_kernels = "CPU" if not cuda else "no Triton"
@@ -218,27 +188,24 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
     rows.append(Choice("compile", _on(compile_on), reason))
 
     # exchange
+    symmetric = execution.exchange == "symmetric_memory"
     if env.degree == 1:
-        if execution.exchange == "symmetric_memory":
+        if symmetric:
             raise ValueError(
                 "Execution(exchange='symmetric_memory') exchanges tokens between expert-parallel ranks, but the "
                 "degree is 1 (every rank holds all experts); use exchange='auto', or a degree above 1."
             )
-        symmetric = False
         rows.append(Choice("exchange", "local", "degree 1: every rank holds all experts"))
+    elif symmetric:
+        _check_symmetric(env, moe)
+        rows.append(Choice("exchange", "symmetric_memory", "forced"))
     else:
-        symmetric = execution.exchange == "symmetric_memory"
-        if symmetric:
-            _check_symmetric(env, moe)
-            rows.append(Choice("exchange", "symmetric_memory", "forced"))
+        what = "all-gather" if not moe.moe_all_to_all_dispatcher else "all-to-all"
+        if not dropless_a2a:
+            reason = f"MoEConfig's {what}" + (", with a capacity" if moe.capacity_factor is not None else "")
         else:
-            backend = "nccl" if cuda else "gloo"
-            what = "all-gather" if not moe.moe_all_to_all_dispatcher else "all-to-all"
-            if not dropless_a2a:
-                reason = f"MoEConfig's {what}" + (", with a capacity" if moe.capacity_factor is not None else "")
-            else:
-                reason = "forced" if execution.exchange == "collective" else "auto (symmetric_memory: force it)"
-            rows.append(Choice("exchange", f"{what} ({backend})", reason))
+            reason = "forced" if execution.exchange == "collective" else "auto (symmetric_memory: force it)"
+        rows.append(Choice("exchange", f"{what} ({'nccl' if cuda else 'gloo'})", reason))
 
     # row budget
     budget = execution.row_budget
@@ -270,20 +237,18 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
         rows.append(Choice("row_budget", value, reason))
 
     # token dedup
-    if execution.token_dedup is True:
+    dedup = execution.token_dedup is True
+    if dedup:
         if env.degree == 1 or not dropless_a2a or symmetric:
             raise ValueError(
                 f"Execution(token_dedup=True) deduplicates the dropless NCCL all-to-all, but degree={env.degree}, "
                 f"capacity_factor={moe.capacity_factor}, moe_all_to_all_dispatcher={moe.moe_all_to_all_dispatcher}, "
                 f"exchange={'symmetric_memory' if symmetric else 'collective'}; use token_dedup='auto'."
             )
-        dedup = True
         rows.append(Choice("token_dedup", "on", "forced"))
-    else:
-        dedup = False
-        if env.degree > 1 and dropless_a2a and not symmetric:
-            forced = execution.token_dedup is False
-            rows.append(Choice("token_dedup", "off", "forced" if forced else "auto: faster only at large batches"))
+    elif env.degree > 1 and dropless_a2a and not symmetric:
+        reason = "forced" if execution.token_dedup is False else "auto: faster only at large batches"
+        rows.append(Choice("token_dedup", "off", reason))
 
     # CUDA graphs
     graphs_blocker = graphs_blocker_of(
@@ -291,23 +256,22 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
         env.degree,
         static_plan=symmetric and budget is not None,
         world_size=env.world_size,
-        cuda_triton=env.device_type == "cuda" and env.triton,
+        cuda_triton=fast,
         precision=env.precision,
         activation_checkpointing=env.activation_checkpointing,
         lora_ranks=env.lora_ranks,
     )
-    if execution.cuda_graphs is True:
-        if graphs_blocker is not None:
+    if isinstance(execution.cuda_graphs, bool):
+        if execution.cuda_graphs and graphs_blocker is not None:
             raise ValueError(f"Execution(cuda_graphs=True) needs {graphs_blocker}; use cuda_graphs='auto'.")
-        graphs = True
-        rows.append(Choice("cuda_graphs", "on", "forced"))
-    elif execution.cuda_graphs is False:
-        graphs = False
-        rows.append(Choice("cuda_graphs", "off", "forced"))
+        graphs = execution.cuda_graphs
+        rows.append(Choice("cuda_graphs", _on(graphs), "forced"))
     else:
         if graphs_blocker is None and symmetric:
             graphs_blocker = "a forced choice (symmetric-memory static plans are captured only when forced)"
-        graphs = graphs_blocker is None and not _large_experts(env)
+        # Large experts gain nothing (see the module docstring); LoRA experts keep graphs (grouped GEMMs).
+        large = env.expert_elements >= LARGE_EXPERT_ELEMENTS and not env.lora_ranks
+        graphs = graphs_blocker is None and not large
         reason = "auto" if graphs else f"auto: off, needs {graphs_blocker}"
         if graphs_blocker is None and not graphs:
             reason = (
@@ -363,12 +327,6 @@ def _single_rank_fsdp(option: bool | Auto, env: Environment, rows: list[Choice])
     return True
 
 
-def _large_experts(env: Environment) -> bool:
-    """Whether the experts are large enough that graphs gain nothing and the per-expert backward
-    gains (see the module docstring); LoRA experts keep their graphs (their GEMMs are grouped)."""
-    return env.expert_elements >= LARGE_EXPERT_ELEMENTS and not env.lora_ranks
-
-
 def _on(value: bool) -> str:
     return "on" if value else "off"
 
@@ -380,8 +338,9 @@ def _check_symmetric(env: Environment, moe: MoEConfig) -> None:
     if moe.capacity_factor is not None or not moe.moe_all_to_all_dispatcher:
         problems.append("the dropless all-to-all (capacity_factor=None, moe_all_to_all_dispatcher=True)")
     if env.degree > env.devices_per_node:
-        per_node = env.devices_per_node
-        problems.append(f"every expert-parallel group on one node (degree {env.degree} > {per_node} per node)")
+        problems.append(
+            f"every expert-parallel group on one node (degree {env.degree} > {env.devices_per_node} per node)"
+        )
     if problems:
         raise ValueError(
             "Execution(exchange='symmetric_memory') needs " + " and ".join(problems) + "; use exchange='auto'."

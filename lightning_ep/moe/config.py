@@ -1,8 +1,7 @@
 """``MoEConfig``: the SageMaker model-parallel v2 MoE configuration, plus a few options beyond it.
 
-The parallel layout (expert-parallel degree, replicate degree) is deliberately not here: it is an
-argument of the strategy and of ``init_mesh``. This file is pure Python and validates eagerly, so a
-bad value fails when the config is built, long before any process group or model exists.
+The parallel layout is not here but an argument of the strategy and of ``init_mesh``. Pure Python,
+validated eagerly: a bad value fails when the config is built, before any process group or model exists.
 """
 
 from __future__ import annotations
@@ -16,23 +15,17 @@ from typing import Any, Literal, get_args
 LoadBalancing = Literal["sinkhorn", "aux_loss", "balanced", "none"]
 RouterDtype = Literal["float32", "float64"]
 DropPolicy = Literal["probs", "position"]
-
-LOAD_BALANCING_MODES: tuple[str, ...] = get_args(LoadBalancing)
-ROUTER_DTYPES: tuple[str, ...] = get_args(RouterDtype)
-DROP_POLICIES: tuple[str, ...] = get_args(DropPolicy)
 _FLAGS = ("smp_moe", "global_token_shuffle", "moe_all_to_all_dispatcher")
-#: Fields that older releases kept here and ``lightning_ep.Execution`` holds now (a checkpoint's
-#: record may still name them).
+#: Fields that ``lightning_ep.Execution`` holds now (an older checkpoint's record may still name them).
 MOVED_TO_EXECUTION: tuple[str, ...] = ("token_dedup", "symmetric_memory_dispatch", "cuda_graphs")
 _EXECUTION_SPELLING = {
     "token_dedup": "token_dedup=True",
     "symmetric_memory_dispatch": "exchange='symmetric_memory', row_budget=N",
     "cuda_graphs": "cuda_graphs=True",
 }
-# The fields that choose how the same math is carried out (which exchange, which guard on memory)
-# and not what is computed: they may differ between two configs that must agree, e.g. a
-# checkpoint's and the run that resumes it. Every other field, and any field added later unless it
-# is listed here, changes the math.
+# Fields that choose how the same math is carried out (which exchange, which guard on memory), not what
+# is computed: they may differ between two configs that must agree (a checkpoint's and the run resuming
+# it). Any other field, including one added later and not listed here, changes the math.
 EXECUTION_FIELDS: tuple[str, ...] = ("moe_all_to_all_dispatcher", "max_tokens_per_rank", *MOVED_TO_EXECUTION)
 
 
@@ -40,48 +33,37 @@ EXECUTION_FIELDS: tuple[str, ...] = ("moe_all_to_all_dispatcher", "max_tokens_pe
 class MoEConfig:
     """How the MoE layers route, balance and exchange tokens.
 
-    The first seven fields mirror ``smp.nn.moe.MoEConfig`` of SageMaker model parallelism v2, with
-    its defaults; the rest are this library's extensions. How a step runs (exchange, kernels, CUDA
-    graphs) is not here but in ``lightning_ep.Execution``.
+    The first seven fields mirror ``smp.nn.moe.MoEConfig`` of SageMaker model parallelism v2, with its
+    defaults; the rest are this library's. How a step runs is ``lightning_ep.Execution``'s.
 
     Args:
-        smp_moe: replace the model's MoE blocks with this library's ``MoELayer``. ``False`` leaves
-            the model untouched (no expert parallelism).
-        random_seed: seed of every random choice inside MoE layers. Choices local to a rank (router
-            jitter) use ``random_seed + ep_rank``; choices shared by an expert-parallel group (the
-            global token shuffle) use ``random_seed``. The global torch RNG is never used.
-        moe_load_balancing: ``"sinkhorn"`` selects experts by top-k of Sinkhorn-normalised scores in
-            training; ``"aux_loss"`` adds the Switch/GShard load-balancing loss; ``"balanced"`` is
-            auxiliary-loss-free balancing: a per-expert bias added to the scores for selection
-            only, moved once per optimizer step towards equal load (DeepSeek-V3); ``"none"`` routes
-            by plain top-k and adds no balancing loss. The z-loss is independent of the mode.
-        global_token_shuffle: permute tokens across the ranks of an expert-parallel group before
-            routing (with a permutation drawn from ``random_seed``), and restore the order after.
-            Each rank keeps its own number of tokens; when the ranks' counts differ, the z-loss
-            weighs each token as on the rank it came from (one small all-gather per model call).
+        smp_moe: replace the model's MoE blocks with ``MoELayer``; ``False`` leaves the model untouched.
+        random_seed: seed of every random choice inside MoE layers (never the global torch RNG): the token
+            shuffle's is shared by an expert-parallel group, a rank's own (router jitter) adds ``ep_rank``.
+        moe_load_balancing: ``"sinkhorn"``, ``"aux_loss"`` (the Switch/GShard load-balancing loss),
+            ``"balanced"`` (DeepSeek-V3's auxiliary-loss-free bias) or ``"none"`` (``routing.router``).
+        global_token_shuffle: permute tokens across the ranks of an expert-parallel group before routing
+            (drawn from ``random_seed``) and restore the order after; the z-loss weighs each token as on
+            its own rank, whose token count may differ (one small all-gather per model call).
         moe_all_to_all_dispatcher: ``True`` exchanges tokens with all-to-all; ``False`` gathers
             every token of the group on every rank and reduce-scatters the outputs.
-        moe_aux_loss_coeff: weight of the load-balancing loss (used with ``"aux_loss"``), as SMP v2 and
-            Megatron-Core define it: ``E * sum_i f_i * P_i`` per layer, ``f_i`` the fraction of the
-            routed (token, expert) pairs that went to expert ``i`` (the ``f_i`` sum to 1), ``P_i`` the
-            mean router probability; 1.0 at perfectly even load. Hugging Face's
-            ``load_balancing_loss_func`` on one layer's logits is ``top_k`` times this.
-        moe_z_loss_coeff: weight of the router z-loss ``mean(logsumexp(logits)^2)``; 0 disables it.
+        moe_aux_loss_coeff: weight of the load-balancing loss (used with ``"aux_loss"``), SMP v2's and
+            Megatron-Core's ``E * sum_i f_i * P_i`` per layer (``routing.losses.load_balancing_loss``).
+        moe_z_loss_coeff: weight of the router z-loss ``mean(logsumexp(logits)^2)``, in every
+            balancing mode; 0 disables it.
         router_dtype: dtype of the router's logits, softmax and Sinkhorn (never lower than fp32).
         sinkhorn_iterations: fixed number of Sinkhorn iterations (fixed, so no host sync).
         balance_update_rate: step size of the ``"balanced"`` bias update.
         capacity_factor: ``None`` is dropless. Otherwise each expert takes at most
             ``ceil((T * top_k / num_experts) * capacity_factor)`` rows from each rank (``T`` its real
-            tokens; Megatron-Core's ``get_capacity``); the rest are dropped (the token passes through
-            the residual path), counted in ``MoELayer.tokens_dropped``, and no split size is read
-            back. Needs the all-to-all dispatcher; ranks may hold different numbers of tokens (one
-            small all-gather per model call).
-        drop_policy: which rows an over-capacity expert keeps: ``"probs"`` the highest routing
-            weights, ``"position"`` the tokens earliest in their sequence (ties: the earlier
-            sequence), as Megatron-Core's ``[S, B]`` token order does.
-        max_tokens_per_rank: dropless all-to-all only: if the rows that arrive at one rank's experts
-            in a layer exceed this, fail fast with a clear error instead of running out of memory (a
-            guard; a static plan's row budget is ``Execution(row_budget=...)``).
+            tokens; Megatron-Core's ``get_capacity``); the rest are dropped (they pass through the
+            residual path), counted in ``MoELayer.tokens_dropped``, and no split size is read back.
+            Needs the all-to-all dispatcher (one small all-gather per model call of the ranks' tokens).
+        drop_policy: which rows an over-capacity expert keeps: ``"probs"`` the highest routing weights,
+            ``"position"`` the tokens earliest in their sequence (ties: the earlier sequence), as
+            Megatron-Core's ``[S, B]`` token order does.
+        max_tokens_per_rank: dropless all-to-all only: fail fast, instead of running out of memory, when
+            more rows arrive at one rank's experts in a layer (a static plan's is ``Execution(row_budget=...)``).
     """
 
     smp_moe: bool = True
@@ -115,9 +97,9 @@ class MoEConfig:
                 raise TypeError(f"MoEConfig.{name} must be a bool, got {value!r} ({type(value).__name__}).")
         _check_int("random_seed", self.random_seed, minimum=0)
         _check_int("sinkhorn_iterations", self.sinkhorn_iterations, minimum=1)
-        _check_choice("moe_load_balancing", self.moe_load_balancing, LOAD_BALANCING_MODES)
-        _check_choice("router_dtype", self.router_dtype, ROUTER_DTYPES)
-        _check_choice("drop_policy", self.drop_policy, DROP_POLICIES)
+        _check_choice("moe_load_balancing", self.moe_load_balancing, get_args(LoadBalancing))
+        _check_choice("router_dtype", self.router_dtype, get_args(RouterDtype))
+        _check_choice("drop_policy", self.drop_policy, get_args(DropPolicy))
         if self.capacity_factor is not None:
             _check_float("capacity_factor", self.capacity_factor)
             if self.capacity_factor <= 0:
@@ -158,8 +140,7 @@ class MoEConfig:
         return self.moe_z_loss_coeff > 0
 
 
-# ``__new__`` only refuses the moved fields; the fields a config takes are the dataclass's (for
-# ``inspect.signature``, which LightningCLI reads).
+# ``__new__`` only refuses the moved fields: LightningCLI reads the dataclass's fields by ``inspect.signature``.
 MoEConfig.__new__.__signature__ = inspect.signature(MoEConfig.__init__)  # type: ignore[attr-defined]
 
 
@@ -200,23 +181,15 @@ def config_differences(
 ) -> dict[str, tuple[Any, Any]]:
     """The fields whose values differ between ``old`` and ``new``, as ``{name: (old, new)}``.
 
-    Args:
-        old: a ``MoEConfig`` or its ``dataclasses.asdict`` record (e.g. read from a checkpoint); a
-            field the record lacks (it was written before the field existed) takes the default,
-            and a record's field that ``MoEConfig`` no longer has differs from ``ABSENT``.
-        new: the config to compare with.
-        math_only: leave out ``EXECUTION_FIELDS`` (options that do not change the math).
+    ``old``: a ``MoEConfig`` or its ``dataclasses.asdict`` record (e.g. from a checkpoint), whose
+    missing fields (written before they existed) take their defaults, and whose fields ``MoEConfig``
+    no longer has differ from ``ABSENT``. ``math_only``: leave out ``EXECUTION_FIELDS``.
     """
     old_values = dict(old) if isinstance(old, Mapping) else asdict(old)
     new_values = asdict(new)
     defaults = {f.name: f.default for f in fields(MoEConfig)}
     names = [*new_values, *(name for name in old_values if name not in new_values)]
-    differences = {}
-    for name in names:
-        if math_only and name in EXECUTION_FIELDS:
-            continue
-        before = old_values.get(name, defaults.get(name, ABSENT))
-        after = new_values.get(name, ABSENT)
-        if before != after:
-            differences[name] = (before, after)
-    return differences
+    if math_only:
+        names = [name for name in names if name not in EXECUTION_FIELDS]
+    pairs = {name: (old_values.get(name, defaults.get(name, ABSENT)), new_values.get(name, ABSENT)) for name in names}
+    return {name: (before, after) for name, (before, after) in pairs.items() if before != after}

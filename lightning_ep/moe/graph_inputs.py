@@ -1,10 +1,6 @@
 """The inputs, outputs and keys of a layer's CUDA graphs (``graphs.LayerGraphs``): the buffers a
 graph reads, the router's tensors swapped for them while the routing is captured, the outputs whose
-gradients its backward takes, and what must match for a call to replay a graph.
-
-A graph's outputs: ``out_TH``, ``counts_E`` and, with the routing captured (``routed``),
-``aux_loss``, ``z_loss``, ``entropy``, ``logits_finite``; the gradients of ``out_TH`` and of the
-two losses (positions 0, 2 and 3) flow back.
+gradients its backward takes (``with_grad``), and what must match for a call to replay a graph.
 """
 
 from __future__ import annotations
@@ -47,8 +43,8 @@ def static_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def with_grad(outputs: Sequence[torch.Tensor]) -> list[int]:
-    """The positions in a graph's outputs whose gradients its backward takes: the layer output's,
-    then (routed) the load-balancing and z-losses', those that have one."""
+    """The positions in a graph's outputs (``out_TH``, ``counts_E``, with the routing captured then
+    ``aux_loss``, ``z_loss``, ...) whose gradients its backward takes: those of 0, 2, 3 that have one."""
     return [i for i in (0, 2, 3) if i < len(outputs) and outputs[i].requires_grad]
 
 
@@ -62,17 +58,14 @@ def backward_of(
         grads = [torch.ones_like(t) for t in wanted]
     needs = [i for i, t in enumerate(inputs) if t.requires_grad]
     found = torch.autograd.grad(wanted, [inputs[i] for i in needs], grads, allow_unused=True)
-    result: list[torch.Tensor | None] = [None] * len(inputs)
-    for i, grad in zip(needs, found, strict=True):
-        result[i] = grad
-    return result
+    by_input = dict(zip(needs, found, strict=True))
+    return [by_input.get(i) for i in range(len(inputs))]
 
 
 def plain_key(
     x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, weights: list[nn.Parameter]
 ) -> tuple[Any, ...]:
-    """What a call must match to replay the graphs that start at the dispatch; the last entry says
-    which inputs need a gradient."""
+    """What a call must match to replay the graphs from the dispatch on; last: which inputs need grad."""
     tensors = (x_TH, ids_TK, weights_TK, *weights)
     return (
         tuple((t.shape, t.dtype, t.device) for t in (x_TH, ids_TK, weights_TK)),
@@ -81,8 +74,7 @@ def plain_key(
 
 
 def routed_key(x_TH: torch.Tensor, gate: nn.Module, check_finite: bool, weights: list[nn.Parameter]) -> tuple[Any, ...]:
-    """What a call must match to replay the graphs that hold the routing (the router's mode and
-    tensors included); the last entry says which inputs need a gradient."""
+    """``plain_key`` for the graphs that hold the routing (the router's mode and tensors included)."""
     named = gate_tensors(gate)
     tensors = (x_TH, *(t for _, t in named), *weights)
     return (

@@ -1,14 +1,11 @@
 """One MoE layer's dispatch, experts and combine replayed as CUDA graphs (``Execution(cuda_graphs=True)``).
 
-With the symmetric-memory dispatch and a row budget (``max_tokens_per_rank``), and at degree 1 with
-the local dispatch, nothing in a layer between its routing and its output depends on the host: every
-shape is static and no value is read back. At fine-grained shapes the host then spends more time
-launching that part's hundred-odd small kernels than the GPU spends running them. ``LayerGraphs``
-captures the part once in a CUDA graph for the forward and one for the backward, and from then on
-launches each with one call. At degree 1 the routing (``routing.route``: the router, its losses and
-statistics) is captured with it (``routed``) when nothing of it is needed outside the layer: every
-token real (no padding mask), no router logits recorded, no token shuffle; otherwise the routing
-runs before the graph, which starts at the dispatch.
+With a static plan (``Dispatcher.static_plan``: the symmetric-memory dispatch with a row budget, or
+the local dispatch at degree 1), nothing in a layer between its routing and its output depends on
+the host, and at fine-grained shapes launching that part's hundred-odd small kernels takes the host
+longer than the GPU takes to run them. ``LayerGraphs`` captures the part once in a CUDA graph for
+the forward and one for the backward, then launches each with one call. At degree 1 the routing is
+captured too when nothing of it is needed outside the layer (``GraphedLayer.take_routing``).
 
 - the first ``WARMUP`` training calls of a layer run eagerly (Triton, ``torch.compile`` and NCCL
   initialise there); the next one captures the forward, and its backward the backward;
@@ -28,11 +25,10 @@ runs before the graph, which starts at the dispatch.
 
 Gradients: the gradients the backward graph returns live in its buffers. Autograd consumes the
 input gradients before any other replay; a weight's first gradient of a step becomes that weight's
-``.grad`` as is (autograd keeps it rather than copying it). Forward replays never write the backward
-pool, so that ``.grad`` survives the next forward (Lightning zeroes gradients between the forward and
-the backward); before the first backward replay of the next backward pass (of any layer) a ``.grad``
-still pointing into a graph's buffer is copied out (``_release_grads``): only under gradient
-accumulation.
+``.grad`` as is. Forward replays never write the backward pool, so that ``.grad`` survives the next
+forward (Lightning zeroes gradients between the forward and the backward); before the first
+backward replay of the next backward pass (of any layer) a ``.grad`` still pointing into a graph's
+buffer is copied out (``_release_grads``): only under gradient accumulation.
 """
 
 from __future__ import annotations
@@ -63,15 +59,9 @@ WARMUP = 2
 
 
 class GraphedLayer:
-    """``MoELayer._route_and_run`` with the dispatch, experts and combine replayed as CUDA graphs where
-    a call allows it, and eagerly where not; the layer runs this in its place while its
-    ``LayerExecution.cuda_graphs`` is on (``MoELayer.set_execution``).
-
-    At degree 1 the routing is captured with the rest (``take_routing``) when nothing of it is needed
-    outside the layer; otherwise the routing runs eagerly and the graphs start at the dispatch. A
-    dispatcher without a static plan, or on its dynamic plan (the budget fallback's rerun), runs
-    eagerly throughout.
-    """
+    """``MoELayer._route_and_run`` replayed as CUDA graphs where a call allows it, and eagerly where
+    not; the layer runs this in its place while ``LayerExecution.cuda_graphs`` is on. A dispatcher
+    without a static plan, or on its dynamic plan (the budget fallback's rerun), runs eagerly."""
 
     def __init__(self, layer: Any) -> None:
         self.layer = layer
@@ -101,8 +91,7 @@ class GraphedLayer:
         return out_TH, shared_TH, stats, counts_E, kept_E
 
     def take_routing(self, tokens: LayerTokens, z_weight_T: torch.Tensor | None) -> bool:
-        """Whether the graphs replay the routing too: at degree 1 (the local dispatch), every token real,
-        no token shuffle, no router logits recorded."""
+        """Whether the graphs replay the routing too: degree 1, all tokens real, no shuffle, no logits kept."""
         layer = self.layer
         plain = tokens.valid_T is None and z_weight_T is None and layer.shuffle is None
         return plain and layer.dispatcher.group is None and not layer.router_logits.active()
@@ -124,13 +113,8 @@ class GraphedLayer:
 
 
 class LayerGraphs:
-    """The forward and backward CUDA graphs of one layer's dispatch, experts and combine.
-
-    Args:
-        dispatcher: one with a static plan (``dispatch_static``): a ``SymmetricMemoryDispatcher`` with a
-            row budget, or the ``LocalDispatcher`` (degree 1).
-        experts: the layer's routed experts (their weights must not move, see ``_check_weights``).
-    """
+    """The forward and backward CUDA graphs of one layer's dispatch (with a static plan), experts
+    (whose weights must not move, see ``_check_weights``) and combine."""
 
     #: Per device, the memory pools the live forward and backward graphs share, and the layers whose
     #: graphs live in them.
@@ -177,13 +161,11 @@ class LayerGraphs:
         return token is not None and not token.done
 
     def applies(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> bool:
-        """Whether this call replays the graphs from the dispatch on; ``False``: the caller runs the
-        layer eagerly."""
+        """Whether this call replays the graphs from the dispatch on (else the caller runs eagerly)."""
         return self._applies(x_TH, lambda: plain_key(x_TH, expert_ids_TK, weights_TK, self._weights()))
 
     def applies_routed(self, x_TH: torch.Tensor, gate: nn.Module, check_finite: bool) -> bool:
-        """Whether this call replays the graphs with the routing (see ``routed``); ``False``: the caller
-        runs the whole layer eagerly."""
+        """Whether this call replays the graphs with the routing (``routed``; else it runs eagerly)."""
         return self._applies(x_TH, lambda: routed_key(x_TH, gate, check_finite, self._weights()))
 
     def _applies(self, x_TH: torch.Tensor, make_key: Any) -> bool:
@@ -217,18 +199,14 @@ class LayerGraphs:
         self, x_TH: torch.Tensor, gate: nn.Module, route: Any, check_finite: bool
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``out_TH``, the tokens per expert and ``(aux_loss, z_loss, entropy, logits_finite,
-        selection_gap)`` as
-        ``route(gate, x_TH, check_finite)`` followed by the eager dispatch, experts and combine give
-        them (the losses with their gradients; ``logits_finite`` all true unless checked). Only at
-        degree 1 (the local dispatch); ``route`` is the layer's (compiled or not)."""
+        selection_gap)`` as the layer's ``route(gate, x_TH, check_finite)`` and the eager dispatch,
+        experts and combine give them (``logits_finite`` all true unless checked). Degree 1 only."""
         if self.fwd is None:
             self._capture_routed(x_TH, gate, route, check_finite)
         tensors = [getattr(gate, name) for name in self._gate_names]
         weights = [local_tensor(p) for p in self._weights()]
         out_TH, counts_E, aux, zl, entropy, finite, gap = _Replay.apply(self, x_TH, *tensors, *weights)
         return out_TH, counts_E, (aux, zl, entropy, finite, gap)
-
-    # ------------------------------------------------------------------------ replay
 
     def replay_forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The graph's outputs (``_outputs``), cloned out of its buffers."""
@@ -263,23 +241,18 @@ class LayerGraphs:
         return self._grads
 
     def _release_grads(self) -> None:
-        """Copy out a weight's ``.grad`` that is still the backward graph's buffer. Any layer's next
-        backward replay may reuse that pool memory for its temporaries (the backward graphs share one
-        pool), so the first backward replay of a pass first releases the gradients of the backwards
-        replayed in earlier passes: after ``zero_grad(set_to_none=True)`` there is nothing to copy;
-        under gradient accumulation (or ``set_to_none=False``) the gradient is copied once."""
-        for p, grad in zip(self._owners(), self._grads, strict=True):
+        """Copy out a weight's ``.grad`` that is still the backward graph's buffer, which any layer's
+        next backward replay may reuse (the shared pool): the first backward replay of a pass does it
+        for the backwards of earlier passes. Nothing to copy after ``zero_grad(set_to_none=True)``."""
+        # What each of ``_grads`` is the gradient of, now (the router's tensors as FSDP2 holds them in
+        # backward); ``None`` for the graph's other inputs.
+        gate = [getattr(self._gate, n) for n in self._gate_names] if self._gate is not None else []
+        owners = [None] * (len(self._writable) - len(gate)) + gate + list(self._weights())
+        for p, grad in zip(owners, self._grads, strict=True):
             if p is None or grad is None or p.grad is None:
                 continue
             if local_tensor(p.grad).data_ptr() == grad.data_ptr():
                 p.grad = p.grad.clone()
-
-    def _owners(self) -> list[Any]:
-        """What each of ``_grads`` is the gradient of, now (the router's tensors as FSDP2 holds them
-        in backward); ``None`` for the graph's other inputs."""
-        gate = [getattr(self._gate, n) for n in self._gate_names] if self._gate is not None else []
-        before = len(self._writable) - len(gate)
-        return [None] * before + gate + list(self._weights())
 
     def release(self) -> None:
         """Drop the graphs and their buffers (a later training call captures anew after its warm-up).
@@ -295,8 +268,6 @@ class LayerGraphs:
         for registry in (LayerGraphs._replayed_backward, LayerGraphs._earlier_pass):
             if self.device in registry:
                 registry[self.device].pop(id(self), None)
-
-    # ------------------------------------------------------------------------ capture
 
     def _weights(self) -> list[nn.Parameter]:
         return list(self.experts.parameters())
@@ -413,10 +384,9 @@ class LayerGraphs:
         self._outputs = tuple(t.detach() for t in self._outputs)
 
     def _shared_pools(self) -> tuple[Any, Any]:
-        """The device's forward and backward pools while another layer's graphs live in them, else
-        new ones: once every graph of a pool is gone, CUDA's caching allocator refuses new captures
-        into it (an internal assert) as long as any tensor it allocated there lives on (a gradient,
-        say)."""
+        """The device's forward and backward pools while another layer's graphs live in them, else new
+        ones: once every graph of a pool is gone, CUDA's caching allocator refuses new captures into it
+        (an internal assert) as long as any tensor it allocated there lives on (a gradient, say)."""
         members = LayerGraphs._members.setdefault(self.device, weakref.WeakSet())
         if not any(m.fwd is not None for m in members if m is not self):
             LayerGraphs._pools[self.device] = (torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle())

@@ -40,27 +40,24 @@ class MoELayer(nn.Module):
     """A sparse MoE block: a top-k router (``gate``), routed experts (``experts``), optional shared
     experts, and the dispatcher that moves tokens between them.
 
-    The children carry the Hugging Face block's names (``child_names`` maps this layer's roles
-    ``"gate"``, ``"shared_experts"`` and ``"shared_experts_gate"`` to them, e.g. GPT-OSS's router is
-    ``router``, Qwen2-MoE's shared expert ``shared_expert``; ``layer.gate`` always reaches the
-    router), and their parameters are the block's own ``Parameter`` objects, so state-dict keys,
-    shapes and values are unchanged.
+    The children carry the Hugging Face block's names (``child_names`` maps this layer's roles to
+    them, e.g. GPT-OSS's router is ``router``; ``layer.gate`` always reaches the router), and their
+    parameters are the block's own ``Parameter`` objects, so state-dict keys, shapes and values are
+    unchanged.
 
     Shared experts are dense modules applied to every token and added to the routed output, scaled
     by ``sigmoid(shared_experts_gate(x))`` if gated (Qwen2-MoE), sharded like dense weights. With
     ``overlap_shared`` (the default) they run while the all-to-all dispatch moves the rows (and its
     reverse their backward); ``False`` runs them after the rows arrived. Same numbers.
 
-    ``keep_all_to_all`` (all-to-all dispatcher only; ``ExpertParallelStrategy(activation_checkpointing=
-    "keep_all_to_all")`` sets it): each training forward keeps its dispatch plan and the rows both
-    exchanges received (``KeptExchange``), and the activation-checkpointing recomputation of that
-    forward reuses them instead of exchanging counts, reading split sizes back and exchanging rows
-    again. Same numbers; ``M x H + N x H`` more elements held per layer until its recomputation.
+    ``keep_all_to_all`` (``ExpertParallelStrategy(activation_checkpointing="keep_all_to_all")``):
+    the activation-checkpointing recomputation reuses the forward's exchange (``kept.KeptExchange``:
+    all-to-all dispatcher only; same numbers, more memory held until the recomputation).
 
     After each forward the layer holds, for logging and balancing:
 
-    - ``aux_loss``: the load-balancing loss of this rank's tokens (0-dim, detached, unweighted);
-    - ``z_loss``: the router z-loss (0-dim, detached, unweighted);
+    - ``aux_loss``, ``z_loss``: the load-balancing and router z-losses of this rank's tokens (0-dim,
+      detached, unweighted);
     - ``tokens_per_expert``: int64 ``[E]``, tokens this rank routed to each global expert;
     - ``router_entropy``: mean over this rank's tokens of the entropy (nats) of the router's
       softmax probabilities (0-dim, detached); ``log(E)`` for a uniform router, 0 for a one-hot one;
@@ -72,15 +69,11 @@ class MoELayer(nn.Module):
     (``1 / accumulate_grad_batches`` under gradient accumulation, or a ``GradScaler``'s scale).
 
     Args:
-        gate: the router.
         experts: the routed experts (local shard under expert parallelism).
-        config: balancing, seeds and coefficients.
         jitter_noise: multiplicative input jitter in training (Mixtral's ``router_jitter_noise``):
             ``x *= U(1 - j, 1 + j)``, applied to what the router and the experts see.
         layer_index: position among the model's MoE layers; separates the layers' random streams.
-        shared_experts: the dense shared expert(s), ``[..., H] -> [..., H]``, or ``None``.
-        shared_experts_gate: ``[..., H] -> [..., 1]`` logits of the shared experts' sigmoid gate, or ``None``.
-        child_names: Hugging Face names of the children, by role (defaults: the role names).
+        shared_experts: ``[..., H] -> [..., H]``; ``shared_experts_gate``: ``[..., H] -> [..., 1]`` logits.
     """
 
     gate: TopKRouter  # registered under child_names["gate"]; see __getattr__
@@ -148,16 +141,15 @@ class MoELayer(nn.Module):
         self._token_batches: ForwardRecords[TokenBatch | None] = ForwardRecords(_MAX_TOKEN_BATCHES)
 
     def compile_routing(self, **compile_kwargs: Any) -> None:
-        """Run the router with its losses and statistics (``route``) and the output's finiteness check
-        through ``torch.compile``: a few fused kernels instead of some thirty small ones per layer, forward
-        and backward; with the symmetric-memory dispatcher its plan too (``compile_plan``). The rest stays eager."""
+        """Run the routing (``route``), the output's finiteness check and the dispatcher's plan
+        (``compile_plan``) through ``torch.compile``: a few fused kernels instead of some thirty small
+        ones per layer. The rest stays eager."""
         self._route = torch.compile(route, **compile_kwargs)
         self._all_finite = torch.compile(all_finite, **compile_kwargs)
         self.dispatcher.compile_plan(**compile_kwargs)
 
     def set_execution(self, execution: LayerExecution) -> None:
-        """Run with ``execution``'s choices (``transform``; the dispatcher takes them when the mesh
-        is applied, ``lightning_ep.parallel.expert``)."""
+        """Run with ``execution``'s choices (the dispatcher takes them when the mesh is applied)."""
         self.execution = execution
         self.experts.host_counts_in_backward = not execution.cuda_graphs  # graph replays cannot read the host
         if not execution.cuda_graphs:
@@ -169,8 +161,7 @@ class MoELayer(nn.Module):
             self.graphed = GraphedLayer(self)
 
     def release_graphs(self) -> None:
-        """Drop this layer's CUDA graphs (``execution.cuda_graphs``), e.g. before destroying the process
-        group their NCCL exchange runs on; the next training calls warm up and capture anew."""
+        """Drop this layer's CUDA graphs, e.g. before destroying the process group their NCCL exchange uses."""
         if self.graphed is not None:
             self.graphed.release()
 
@@ -193,18 +184,12 @@ class MoELayer(nn.Module):
         """``[..., H]`` in, same shape out; padded positions (``token_batch``) come out zero.
 
         On one process the layer is traceable (``torch.compile(model, fullgraph=True)``,
-        ``torch.export``); under expert parallelism it runs eagerly inside a compiled model: the
-        dispatch reads split sizes back to the host and the fast paths are Triton kernels behind
-        custom autograd functions, so a compiled decoder layer breaks its graph here (see
-        ``lightning_ep.parallel.compile``).
+        ``torch.export``); under expert parallelism (host reads, Triton kernels behind custom autograd
+        functions) it runs eagerly: a compiled decoder layer breaks its graph here (``parallel.compile``).
         """
-        if self._traceable():
-            return self._forward(hidden_BSH)
+        if self.dispatcher.group is None and self.shuffle is None and not self.execution.cuda_graphs:
+            return self._forward(hidden_BSH)  # traceable: one process, no CUDA graphs
         return _eager_forward(self, hidden_BSH)
-
-    def _traceable(self) -> bool:
-        """Whether ``torch.compile`` may trace ``forward``: one process, no CUDA graphs."""
-        return self.dispatcher.group is None and self.shuffle is None and not self.execution.cuda_graphs
 
     def _forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
         shape = hidden_BSH.shape
@@ -240,11 +225,7 @@ class MoELayer(nn.Module):
             assert stats.logits_finite is not None
             self.nonfinite = ~(stats.logits_finite & self._all_finite(out_TH))
         out_TH = self._account(out_TH, stats, tokens_per_expert_E, kept_E)
-        if self.shuffle is not None and shuffle_state is not None:
-            out_TH = self.shuffle.unshuffle(out_TH, shuffle_state)
-        if tokens.real_N is not None:  # back to [T, H], zeros at padded positions
-            out_TH = out_TH.new_zeros((hidden_BSH.numel() // shape[-1], shape[-1])).index_copy(0, tokens.real_N, out_TH)
-        return out_TH.to(hidden_BSH.dtype).reshape(shape)
+        return self._to_positions(out_TH, tokens, shuffle_state, shape).to(hidden_BSH.dtype).reshape(shape)
 
     def _route_and_run(
         self,
@@ -255,9 +236,8 @@ class MoELayer(nn.Module):
         shuffle_state: ShufflePlan | None,
         shape: torch.Size,
     ) -> tuple[torch.Tensor, torch.Tensor | None, RouterStats, torch.Tensor, torch.Tensor]:
-        """Route and run the experts: the routed output, the shared experts' (or ``None``), the routing's
-        statistics, the tokens per expert and the pairs each expert kept. ``graphs.GraphedLayer`` runs
-        in its place under CUDA graphs."""
+        """The routed output, the shared experts' (or ``None``), the routing's statistics, the tokens
+        per expert and the pairs each expert kept. ``graphs.GraphedLayer`` runs in its place under CUDA graphs."""
         expert_ids_TK, weights_TK, stats = self._route_tokens(x_TH, tokens, z_weight_T, shuffle_state, shape)
         out_TH, shared_TH, counts_E, kept_E = self._dispatch_and_combine(
             x_TH, expert_ids_TK, weights_TK, draw_id, tokens
@@ -272,19 +252,17 @@ class MoELayer(nn.Module):
         shuffle_state: ShufflePlan | None,
         shape: torch.Size,
     ) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
-        """The experts chosen, their weights and the routing's statistics; the router logits go to
-        ``router_logits`` when it records."""
+        """The experts chosen, their weights and the routing's statistics (the logits to ``router_logits``)."""
         expert_ids_TK, weights_TK, stats = self._route(self.gate, x_TH, self.check_finite, tokens.valid_T, z_weight_T)
         if self.router_logits.active():
-            self._emit_router_logits(stats.logits_TE, tokens, shuffle_state, shape)
+            self.router_logits(self._to_positions(stats.logits_TE, tokens, shuffle_state, shape))
         return expert_ids_TK, weights_TK, stats
 
     def _draw_id(self) -> int:
-        """The id of this training forward's random draws (``rng.DrawCounter``), ``-1`` in eval.
-
-        A traced forward (``torch.compile``) keeps no count: a Python counter would be a constant
-        of the graph, recompiled at every step. It then needs no draw at all (one process: no token
-        shuffle; compiled code recomputes without re-running this one), unless the router jitters.
+        """The id of this training forward's random draws (``rng.DrawCounter``), ``-1`` in eval. A
+        traced forward (``torch.compile``) keeps no count: a Python counter would be a constant of the
+        graph, recompiled at every step. It then needs no draw at all (one process: no token shuffle;
+        compiled code recomputes without re-running this one), unless the router jitters.
         """
         if not self.training:
             return -1
@@ -298,20 +276,18 @@ class MoELayer(nn.Module):
             return -1
         return self._draws.next_id()
 
-    def _emit_router_logits(
-        self, logits_TE: torch.Tensor, tokens: LayerTokens, shuffle_state: ShufflePlan | None, shape: torch.Size
-    ) -> None:
-        """Pass the router logits, one row per position of the input, through ``router_logits``."""
+    def _to_positions(
+        self, x_TX: torch.Tensor, tokens: LayerTokens, shuffle_state: ShufflePlan | None, shape: torch.Size
+    ) -> torch.Tensor:
+        """Rows per token back on this rank's own tokens, one per input position (zeros at padded ones)."""
         if self.shuffle is not None and shuffle_state is not None:
-            logits_TE = self.shuffle.unshuffle(logits_TE, shuffle_state)
+            x_TX = self.shuffle.unshuffle(x_TX, shuffle_state)
         if tokens.real_N is not None:
-            rows = math.prod(shape[:-1])
-            logits_TE = logits_TE.new_zeros((rows, logits_TE.shape[1])).index_copy(0, tokens.real_N, logits_TE)
-        self.router_logits(logits_TE)
+            x_TX = x_TX.new_zeros((math.prod(shape[:-1]), x_TX.shape[1])).index_copy(0, tokens.real_N, x_TX)
+        return x_TX
 
     def _token_batch_of(self, draw_id: int) -> TokenBatch | None:
-        """The ``TokenBatch`` of this call: the model's current one, or, for an activation-checkpointing
-        recomputation inside backward, the one its forward saw."""
+        """The ``TokenBatch`` of this call: the model's current one, or in a recomputation the forward's."""
         if draw_id < 0:
             return self.token_batch
         if in_backward():
@@ -326,14 +302,17 @@ class MoELayer(nn.Module):
         draw_id: int,
         tokens: LayerTokens,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """The routed experts' output ``[T, H]``, the shared experts' (or ``None``), the tokens per
-        expert and the (token, expert) pairs each expert kept, eagerly."""
+        """``_route_and_run``'s outputs but for the routing statistics, eagerly."""
         if self.hf_experts is not None and self.hf_experts.active():  # transformers' own implementation
             self.hf_experts.check_runs_in(self)
             out_TH = self.hf_experts(self.experts, x_TH, expert_ids_TK, weights_TK)
             counts_E = count_ids(expert_ids_TK, self.num_experts, tokens.valid_T)
             return out_TH, self._shared(x_TH), counts_E, counts_E
-        keep = self._exchange_to_keep(draw_id)
+        keep: KeptExchange | None = None
+        if self.keep_all_to_all and draw_id >= 0 and torch.is_grad_enabled():  # training forwards only
+            from lightning_ep.moe.dispatch.kept import exchange_to_keep
+
+            keep = exchange_to_keep(self._kept, self.dispatcher, draw_id, in_backward())
         dispatched = self.dispatcher.dispatch(x_TH, expert_ids_TK, weights_TK, tokens, keep)
         if dispatched.tokens_dropped is not None:
             self.tokens_dropped = dispatched.tokens_dropped
@@ -368,14 +347,6 @@ class MoELayer(nn.Module):
         if not in_backward():
             self.gate.record_load(kept_E)
         return attach_losses(out_TH, [aux, zl], weights)
-
-    def _exchange_to_keep(self, draw_id: int) -> KeptExchange | None:
-        """With ``keep_all_to_all``, a training forward's ``KeptExchange`` (``all_to_all.exchange_to_keep``)."""
-        if not (self.keep_all_to_all and draw_id >= 0 and torch.is_grad_enabled()):
-            return None
-        from lightning_ep.moe.dispatch.kept import exchange_to_keep
-
-        return exchange_to_keep(self._kept, self.dispatcher, draw_id, in_backward())
 
     def _shared(self, x_TH: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' output ``[T, H]`` (gated if there is a gate), or ``None``."""

@@ -1,9 +1,6 @@
 """``LayerExecution``: how the MoE layers carry out their dispatch, experts and combine, never what
-they compute; one frozen record that ``transform`` and ``make_dispatcher`` take.
-
-``lightning_ep.Execution`` (``"auto"`` choices, resolved by the strategy) resolves to one
-(``Resolved.layers``); a model transformed by hand takes one directly. Every field is a concrete
-choice; ``check`` refuses one that cannot apply to a ``MoEConfig`` at a degree, naming the fix.
+they compute; one frozen record that ``transform`` and ``make_dispatcher`` take (``lightning_ep.Execution``
+resolves to one, ``Resolved.layers``; a model transformed by hand takes one directly).
 """
 
 from __future__ import annotations
@@ -18,17 +15,11 @@ LayerExchange = Literal["collective", "symmetric_memory"]
 
 @dataclass(frozen=True, kw_only=True)
 class LayerExecution:
-    """The choices the MoE layers are built with (``lightning_ep.execution.choices`` says what each does).
-
-    Args:
-        cuda_graphs: replay each layer's dispatch, experts and combine as CUDA graphs
-            (``lightning_ep.moe.graphs``). Needs a static plan: degree 1, or the symmetric-memory
-            exchange with an int ``row_budget``.
-        exchange: ``"collective"`` (the process group's all-to-all or all-gather) or
-            ``"symmetric_memory"`` (pulls over NVLink; ``lightning_ep.moe.dispatch.static.symmetric``).
-        token_dedup: each token sent once per destination rank (``lightning_ep.moe.dispatch.dedup``).
-        row_budget: the static rows received per rank: an int, or ``"auto"`` for the padded
-            all-to-all sized from the first step; ``None``: the dynamic plan.
+    """The concrete choices the MoE layers are built with (``lightning_ep.execution.choices`` says what
+    each does): ``cuda_graphs`` (``moe.graphs``), ``exchange`` (``"collective"`` or
+    ``"symmetric_memory"``: ``dispatch.static.symmetric``), ``token_dedup`` (``dispatch.dedup``) and
+    ``row_budget`` (an int, ``"auto"`` for the padded all-to-all, ``None``: the dynamic plan).
+    ``check`` refuses choices that cannot apply to a ``MoEConfig`` at a degree, naming the fix.
     """
 
     cuda_graphs: bool = False
@@ -92,8 +83,7 @@ def graphs_blocker(
 ) -> str | None:
     """What keeps CUDA graphs (``LayerExecution.cuda_graphs``) from applying, in words, or ``None``: the
     one place their preconditions are decided. ``static_plan``: the dispatch above degree 1 is the
-    symmetric-memory exchange with an int row budget; the other arguments where the caller knows them
-    (``None`` / defaults: not checked)."""
+    symmetric-memory exchange with an int row budget; the other arguments as far as known."""
     if not cuda_triton:
         return "CUDA with Triton"
     if precision is not None and precision not in ("bf16-mixed", "bf16-true"):

@@ -1,9 +1,7 @@
-"""``Layout``: one (world size, degree, replicate degree, experts per layer) and its rules, the one
-place that says which layouts are valid (the mesh, the planner, the strategy's arguments, the
-expert-parallel transform and the dispatchers all ask it).
-
-The rules: the expert-parallel degree ``d`` divides the world size ``W``; ``R * d`` divides it too
-(``R`` the replicate degree of hybrid sharding); ``d`` divides the expert count of every layer.
+"""``Layout``: the one place that says which layouts are valid (the mesh, the planner, the
+strategy, the expert-parallel transform and the dispatchers all ask it). The rules: the
+expert-parallel degree ``d`` divides the world size ``W``; ``R * d`` divides it too (``R`` the
+replicate degree of hybrid sharding); ``d`` divides the expert count of every layer.
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ class Layout:
     """A world of ``world`` ranks, ``gpus_per_node`` per node, on the ``("replicate", "edp", "ep")``
     mesh (``lightning_ep.init_mesh``): rank ``r`` sits at ``(r // S, (r % S) // d, r % d)`` with
     ``S = world / replicate_degree`` the shard size. ``num_experts``: the experts of one layer, when
-    known; the degree must divide it.
-
-    Raises ``TypeError`` / ``ValueError`` naming the argument, its value and the valid choices.
+    known; the degree must divide it. Raises ``TypeError`` / ``ValueError`` naming the argument, its
+    value and the valid choices.
     """
 
     world: int
@@ -66,23 +63,19 @@ class Layout:
         return True
 
     def local_experts(self, num_experts: int, where: str = "") -> int:
-        """``L = E / d``, the experts each rank holds of a layer of ``num_experts``; raises when the
-        degree does not divide it, with the fixes (``where`` names the layer in the message)."""
+        """``L = E / d`` for a layer of ``num_experts`` (``where`` names it in the error, with the fixes)."""
         degree = self.degree
         if num_experts % degree == 0:
             return num_experts // degree
-        span = self.world // self.replicate_degree
-        divisors = _divisors(num_experts)
+        span, divisors = self.shard, _divisors(num_experts)
         valid = [d for d in divisors if span % d == 0]
         larger = [d for d in divisors if d > max(valid)]
-        ranks = (
-            f"the world size {self.world}" if self.replicate_degree == 1 else f"world size / replicate_degree = {span}"
-        )
-        other_world = (
-            f", or a world size / replicate_degree that is a multiple of one of {larger} to use it as the degree"
-            if larger
-            else ""
-        )
+        ranks = f"world size / replicate_degree = {span}" if self.replicate_degree > 1 else f"the world size {span}"
+        other_world = ""
+        if larger:
+            other_world = (
+                f", or a world size / replicate_degree that is a multiple of one of {larger} to use it as the degree"
+            )
         raise ValueError(
             f"degree={degree} does not divide the number of experts {num_experts}{where}; choose a degree that "
             f"divides both the expert count and {ranks}: one of {valid}. Otherwise use an expert count that is a "
@@ -114,8 +107,7 @@ class Layout:
 
 
 def valid_layouts(world: int, num_experts: int, *, gpus_per_node: int = 8) -> list[Layout]:
-    """Every layout the strategy accepts for ``world`` ranks and ``num_experts`` experts per layer,
-    smallest degree first, then smallest replicate degree."""
+    """Every valid layout for ``world`` ranks and ``num_experts`` experts, by degree then replicate degree."""
     return [
         Layout(world=world, degree=d, replicate_degree=r, gpus_per_node=gpus_per_node)
         for d in range(1, world + 1)

@@ -13,8 +13,7 @@ from lightning_ep.moe.layout import Layout
 
 
 def expert_parameters(layer: MoELayer) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` of every parameter of ``layer.experts`` (its own, not its children's)
-    whose dim 0 is the expert count: weights and per-expert biases alike."""
+    """``(name, parameter)`` of ``layer.experts``'s own parameters whose dim 0 is the expert count."""
     num_experts = layer.num_experts
     return [
         (name, param)
@@ -24,27 +23,17 @@ def expert_parameters(layer: MoELayer) -> list[tuple[str, nn.Parameter]]:
 
 
 def parallelize_moe_layers(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard every ``MoELayer``'s expert weights on ``mesh["ep"]`` and wire its dispatcher.
-
-    Every parameter of the experts module whose dim 0 is the expert count (weights and per-expert
-    biases, see ``expert_parameters``) becomes a DTensor of the same global shape ``[E, ...]``,
-    placed ``Shard(0)`` on the ``ep`` axis: rank ``r`` of the axis keeps experts ``r*L .. r*L+L-1``.
-    Works on meta tensors (nothing is allocated). Idempotent.
-
-    Args:
-        model: a model holding ``MoELayer``s (see ``lightning_ep.transform``).
-        mesh: the world mesh from ``init_mesh``.
-    Raises:
-        ValueError: when a layer's expert count is not divisible by the ``ep`` size.
+    """Shard every ``MoELayer``'s expert weights on ``mesh["ep"]`` (the world mesh from ``init_mesh``)
+    and wire its dispatcher. Every parameter of ``expert_parameters`` becomes a DTensor of the same
+    global shape ``[E, ...]``, placed ``Shard(0)`` on the ``ep`` axis: rank ``r`` of the axis keeps
+    experts ``r*L .. r*L+L-1``. Works on meta tensors (nothing is allocated). Idempotent. A
+    ``ValueError`` when a layer's expert count is not divisible by the ``ep`` size.
     """
     ep_mesh = mesh["ep"]
-    degree = ep_mesh.size()
-    ep_rank = ep_mesh.get_local_rank()
-    group = ep_mesh.get_group()
+    degree, ep_rank, group = ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group()
+    layout = Layout(world=mesh.size(), degree=degree, replicate_degree=mesh["replicate"].size())
     for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
-        num_experts = layer.num_experts
-        layout = Layout(world=mesh.size(), degree=degree, replicate_degree=mesh["replicate"].size())
-        local = layout.local_experts(num_experts, where=f" (layer {layer.layer_index})")
+        local = layout.local_experts(layer.num_experts, where=f" (layer {layer.layer_index})")
         for name, param in expert_parameters(layer):
             if isinstance(param, DTensor):
                 continue
@@ -55,8 +44,7 @@ def parallelize_moe_layers(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
             setattr(layer.experts, name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
         # All d ranks' tokens reach these experts; FSDP2 averages over the other W / d ranks only.
         layer.experts.grad_scale = 1.0 / degree
-        config = layer.config
-        layer.dispatcher = make_dispatcher(config, num_experts, group, layer.execution)
-        layer.shuffle = TokenShuffle(group) if config.global_token_shuffle and degree > 1 else None
+        layer.dispatcher = make_dispatcher(layer.config, layer.num_experts, group, layer.execution)
+        layer.shuffle = TokenShuffle(group) if layer.config.global_token_shuffle and degree > 1 else None
         layer.ep_rank = ep_rank
     return model

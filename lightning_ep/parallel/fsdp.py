@@ -20,6 +20,13 @@ def _fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh if mesh.size(0) > 1 else mesh[mesh.mesh_dim_names[1]]  # type: ignore[index]
 
 
+def _fsdp_kwargs(mp_policy: MixedPrecisionPolicy | None, reshard_after_forward: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    return kwargs
+
+
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """Entries of every ``nn.ModuleList`` that holds MoE layers: the transformer's decoder layers."""
     blocks: list[nn.Module] = []
@@ -44,30 +51,24 @@ def shard_model(
       stays sharded on ``ep``). FSDP2 averages its gradient over those ``W / d`` ranks; the
       experts' ``grad_scale = 1 / d`` (set by ``parallelize_moe_layers``) supplies the rest, so it
       is divided by the world size ``W`` exactly like a dense parameter's.
-    - When that mesh has one rank (``degree`` = world size), FSDP2 would only copy: all-gather and
-      reduce-scatter on one rank, and gradients cast to the reduce dtype and back. The experts are
-      then left out of FSDP2 (their DTensors on ``ep`` need no reduction), and their
-      ``compute_dtype`` is set to ``mp_policy.param_dtype`` so the matmuls run in the same dtype.
+    - When that mesh has one rank (``degree`` = world size), FSDP2 would only copy (gradients cast to
+      the reduce dtype and back included): the experts are then left out of FSDP2 (their DTensors on
+      ``ep`` need no reduction), with ``compute_dtype = mp_policy.param_dtype`` for the matmuls.
     - Each decoder layer, then the output projection (see ``output_head``), then the root, is
       sharded over ``("replicate", "shard")``: HSDP when the replicate degree is above 1. With
-      ``in_place_on_one_rank`` and one rank in all, ``keep_dense_local`` replaces FSDP2 there: the
-      same numbers without FSDP2's copies of every dense parameter and gradient.
+      ``in_place_on_one_rank`` (one rank in all, else a ``ValueError``), ``keep_dense_local``
+      replaces FSDP2 there: the same numbers without FSDP2's copies of every dense parameter and gradient.
 
     Every trainable parameter ends up a DTensor; a ``RuntimeError`` says which one did not.
 
     Args:
         model: the transformed model (``self.model`` of a LightningModule, never the module itself).
-        mesh: the world mesh from ``init_mesh``.
         mp_policy: FSDP2 mixed precision (e.g. bf16 params, fp32 reduce).
         reshard_after_forward: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2).
         shard_experts: apply FSDP2 to the experts; ``None`` (default) does so only when they have
             expert-data-parallel ranks (``replicate x edp > 1``). Both give the same numbers.
-        in_place_on_one_rank: keep the dense parameters out of FSDP2 (``keep_dense_local``); only
-            with one rank in all (a ``ValueError`` otherwise).
     """
-    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
+    kwargs = _fsdp_kwargs(mp_policy, reshard_after_forward)
     experts_mesh = _fsdp_mesh(expert_data_mesh(mesh))
     if shard_experts is None:
         shard_experts = experts_mesh.size() > 1
@@ -94,40 +95,51 @@ def shard_model(
             layer.experts.compute_dtype = mp_policy.param_dtype if mp_policy is not None else None
     if unsharded:
         kwargs["ignored_params"] = unsharded
-    shard_mesh = _fsdp_mesh(dense_mesh(mesh))
-    if in_place_on_one_rank:
-        _keep_local(model, shard_mesh, mp_policy, decoder_blocks(model))
-    else:
-        for block in decoder_blocks(model):
-            if not isinstance(block, FSDPModule):
-                fully_shard(block, mesh=shard_mesh, **kwargs)
-        _shard_head_and_root(model, shard_mesh, kwargs)
+    blocks = decoder_blocks(model)
+    if not in_place_on_one_rank:
+        blocks = [block for block in blocks if not isinstance(block, FSDPModule)]
+    _shard_dense(model, mesh, blocks, mp_policy, kwargs, in_place_on_one_rank)
     check_all_sharded(model)
     return model
 
 
-def _keep_local(
-    model: nn.Module, shard_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None, blocks: list[nn.Module]
+def _shard_dense(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    blocks: list[nn.Module],
+    mp_policy: MixedPrecisionPolicy | None,
+    kwargs: dict[str, Any],
+    in_place_on_one_rank: bool,
 ) -> None:
-    if shard_mesh.size() != 1:
-        raise ValueError(
-            f"in_place_on_one_rank=True needs one rank in all, but the dense parameters span {shard_mesh.size()} "
-            "ranks; leave it False there (FSDP2 shards them)."
-        )
+    """``blocks``, the output head (``output_head``) and the root over ``("replicate", "shard")``, or
+    with ``in_place_on_one_rank`` the same units kept out of FSDP2 (``keep_dense_local``)."""
+    shard_mesh = _fsdp_mesh(dense_mesh(mesh))
+    if in_place_on_one_rank:
+        if shard_mesh.size() != 1:
+            raise ValueError(
+                f"in_place_on_one_rank=True needs one rank in all, but the dense parameters span {shard_mesh.size()} "
+                "ranks; leave it False there (FSDP2 shards them)."
+            )
+        head = output_head(model)
+        units = [*blocks, *([head] if head is not None else [])]
+        keep_dense_local(model, shard_mesh, compute_dtype=mp_policy.param_dtype if mp_policy else None, units=units)
+        return
+    for block in blocks:
+        fully_shard(block, mesh=shard_mesh, **kwargs)
     head = output_head(model)
-    units = [*blocks, *([head] if head is not None else [])]
-    keep_dense_local(model, shard_mesh, compute_dtype=mp_policy.param_dtype if mp_policy else None, units=units)
+    if head is not None:
+        fully_shard(head, mesh=shard_mesh, **{**kwargs, "reshard_after_forward": False})
+        head.register_forward_hook(_reshard_without_grad)  # runs after FSDP2's own post-forward hook
+    if not isinstance(model, FSDPModule):
+        fully_shard(model, mesh=shard_mesh, **kwargs)
 
 
 def output_head(model: nn.Module) -> nn.Module | None:
     """The model's output projection (Hugging Face's ``get_output_embeddings()``, the ``lm_head``)
-    when it shares no weight with the input embedding, else ``None``.
-
-    ``shard_model`` gives it an FSDP2 unit of its own, kept gathered from a training forward to
-    its backward (they follow each other; a forward without grad reshards it at once): its
-    gradient's reduce-scatter then overlaps the decoder layers' backward instead of waiting for
-    the root's at the very end, and the last decoder layer's all-gather for backward overlaps the
-    head's backward.
+    when it shares no weight with the input embedding, else ``None``. ``shard_model`` gives it an
+    FSDP2 unit of its own, kept gathered from a training forward to its backward (a forward without
+    grad reshards it at once): its gradient's reduce-scatter then overlaps the decoder layers'
+    backward, and the last decoder layer's all-gather the head's backward.
     """
     get_output = getattr(model, "get_output_embeddings", None)
     head = get_output() if callable(get_output) else None
@@ -151,15 +163,6 @@ def _reshard_without_grad(module: nn.Module, _args: Any, _output: Any) -> None:
         module.reshard()  # type: ignore[operator]
 
 
-def _shard_head_and_root(model: nn.Module, shard_mesh: DeviceMesh, kwargs: dict[str, Any]) -> None:
-    head = output_head(model)
-    if head is not None:
-        fully_shard(head, mesh=shard_mesh, **{**kwargs, "reshard_after_forward": False})
-        head.register_forward_hook(_reshard_without_grad)  # runs after FSDP2's own post-forward hook
-    if not isinstance(model, FSDPModule):
-        fully_shard(model, mesh=shard_mesh, **kwargs)
-
-
 def shard_named_blocks(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -171,23 +174,11 @@ def shard_named_blocks(
     """FSDP2 for a model that keeps its own MoE blocks (``MoEConfig(smp_moe=False)``): each module
     whose class is named in the model's ``_no_split_modules`` (Hugging Face's decoder layers), then
     the output projection and the root, over ``("replicate", "shard")`` like ``shard_model``'s
-    dense part; with ``in_place_on_one_rank`` (one rank in all), ``keep_dense_local`` instead.
-
-    Returns:
-        The blocks sharded, in module order.
-    """
-    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    shard_mesh = _fsdp_mesh(dense_mesh(mesh))
+    dense part; with ``in_place_on_one_rank`` (one rank in all), ``keep_dense_local`` instead. Returns
+    the blocks sharded, in module order."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if in_place_on_one_rank:
-        _keep_local(model, shard_mesh, mp_policy, blocks)
-        return blocks
-    for block in blocks:
-        fully_shard(block, mesh=shard_mesh, **kwargs)
-    _shard_head_and_root(model, shard_mesh, kwargs)
+    _shard_dense(model, mesh, blocks, mp_policy, _fsdp_kwargs(mp_policy, reshard_after_forward), in_place_on_one_rank)
     return blocks
 
 
@@ -202,9 +193,7 @@ def shard_dense_modules(
     ``("replicate", "shard")`` like the model's dense parts: their gradients are averaged over every
     rank, as in data parallelism. FSDP2 gathers a unit's weights in its ``forward``, so the module
     must be called, not its weights read. Modules already sharded are skipped."""
-    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
+    kwargs = _fsdp_kwargs(mp_policy, reshard_after_forward)
     shard_mesh = _fsdp_mesh(dense_mesh(mesh))
     for module in modules:
         if not isinstance(module, FSDPModule):

@@ -19,28 +19,17 @@ MESH_AXES = ("replicate", "edp", "ep")
 
 
 def check_layout(world_size: int, degree: int, replicate_degree: int = 1) -> int:
-    """Validate a layout (``lightning_ep.moe.layout.Layout``) and return the expert-data-parallel size
-    ``edp = W / (R * d)``.
-
-    Raises:
-        TypeError / ValueError naming the argument, its value, and valid choices.
-    """
+    """Validate a layout (``Layout``, whose errors name the fix); the expert-data-parallel size ``W / (R * d)``."""
     return Layout(world=world_size, degree=degree, replicate_degree=replicate_degree).edp
 
 
 def init_mesh(degree: int, *, replicate_degree: int = 1, device_type: str = "cuda") -> DeviceMesh:
-    """Build the world mesh with axes ``("replicate", "edp", "ep")`` and a flattened ``"shard"``
-    axis (``edp`` x ``ep``). The default process group must be initialised.
-
-    Args:
-        degree: expert-parallel degree ``d`` (ranks that split the experts of a layer).
-        replicate_degree: HSDP replicate degree ``R``; 1 is plain FSDP.
-        device_type: ``"cuda"`` or ``"cpu"`` (gloo).
-    """
+    """The world mesh with axes ``("replicate", "edp", "ep")`` and a flattened ``"shard"`` axis, for
+    expert-parallel ``degree`` and HSDP ``replicate_degree`` (1: plain FSDP) on ``"cuda"`` or ``"cpu"``
+    (gloo). The default process group must be initialised."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("init_mesh needs an initialised default process group: call dist.init_process_group first.")
-    world_size = dist.get_world_size()
-    edp = check_layout(world_size, degree, replicate_degree)
+    edp = check_layout(dist.get_world_size(), degree, replicate_degree)
     mesh = init_device_mesh(device_type, (replicate_degree, edp, degree), mesh_dim_names=MESH_AXES)
     shard_mesh(mesh)
     return mesh
@@ -53,11 +42,8 @@ def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The ``("replicate", "shard")`` mesh that dense parameters are sharded over.
-
-    Built from the ``replicate`` axis and the flattened ``shard`` mesh itself: slicing a flattened
-    axis out of the world mesh by name (``mesh["replicate", "shard"]``) is deprecated by torch.
-    """
+    """The ``("replicate", "shard")`` mesh that dense parameters are sharded over, built from the
+    ``replicate`` axis and the ``shard`` mesh: torch deprecates slicing a flattened axis by name."""
     concatenate = getattr(DeviceMesh, "_concatenate", None)
     if concatenate is None:  # a torch without it: the slice, without torch's deprecation warning
         with warnings.catch_warnings():

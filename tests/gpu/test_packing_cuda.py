@@ -5,8 +5,9 @@ families, a full and a sliding-window one for GPT-OSS and Qwen2-MoE), before the
 that keeps the documents apart (``lightning_ep.models.causal_mask.separate_packed_documents``) reads no
 tensor, and the MoE layers see no padding in a packed row. So a forward and backward of a packed row
 makes at most that many syncs more than the same tokens as one row without positions (transformers
-5.17 reads the documents once for GPT-OSS's two masks), and as many with 2 decoder layers as with 4. bf16, so that the experts run the grouped GEMM, which reads no count back. The
-numbers are the CPU tests' (``tests/unit/test_packing.py``).
+5.17 reads the documents once for GPT-OSS's two masks), and as many with 2 decoder layers as with 4.
+bf16, so that the experts run the grouped GEMM, which reads no count back. The numbers are the CPU
+tests' (``tests/unit/test_packing.py``).
 """
 
 from __future__ import annotations

@@ -34,11 +34,10 @@ class GatherPlan:
 
 class AllGatherDispatcher(Dispatcher):
     """Every rank gathers all tokens of the group, runs its local experts on the rows routed to
-    them, weights them, and the partial outputs are reduce-scattered back to their ranks.
-
-    Ranks may hold different numbers of tokens (``tokens.group_tokens``): each pads its rows to the
-    largest count with rows routed nowhere, so the gather and the reduce-scatter stay equal-sized.
-    One host read (the number of rows for the local experts) per layer.
+    them, weights them, and the partial outputs are reduce-scattered back to their ranks. Ranks may
+    hold different numbers of tokens (``tokens.group_tokens``): each pads its rows to the largest
+    count with rows routed nowhere, so the gather and the reduce-scatter stay equal-sized. One host
+    read (the number of rows for the local experts) per layer.
     """
 
     group: dist.ProcessGroup

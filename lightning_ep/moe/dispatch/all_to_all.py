@@ -36,9 +36,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ExchangePlan:
-    """One dispatch: the pairs' sort order by expert (and its inverse), the split sizes read on the
-    host, the regrouping of the received rows by local expert (and its inverse), the rows per local
-    expert on the device and the host, and the pairs per global expert."""
+    """One dispatch: the pairs' sort order, the split sizes read on the host, the regrouping of the
+    received rows by local expert (each with its inverse), the rows per local expert, pairs per expert."""
 
     order_N: torch.Tensor
     inverse_N: torch.Tensor
@@ -66,10 +65,8 @@ class AllToAllDispatcher(Dispatcher):
     Forward: sort pairs by expert -> exchange per-expert counts -> one host read of the split sizes
     -> all-to-all of the rows -> regroup by local expert. ``dispatch`` returns while the rows travel
     (``Dispatched.x_MH`` waits for them on first read). Combine: the exact reverse, then the weighted
-    sum over the K choices on the token's own rank.
-
-    ``max_tokens_per_rank`` (``MoEConfig``): a guard; a layer whose routing sends more rows to one
-    rank raises before anything is exchanged.
+    sum over the K choices on the token's own rank. ``max_tokens_per_rank`` (``MoEConfig``): a guard;
+    a layer whose routing sends more rows to one rank raises before anything is exchanged.
     """
 
     group: dist.ProcessGroup

@@ -4,16 +4,15 @@ Legend: T tokens on this rank, H hidden size, K experts per token, E global expe
 expert-parallel group, L = E / D experts held per rank, N = T * K routed rows on this rank, M rows
 received for the local experts.
 
-Every dispatcher has the same two calls; what one call's ``combine`` needs travels in its
-``Dispatched`` (a frozen plan of the dispatcher's own), and what a dispatcher keeps between calls
-(a row budget) it declares:
+Every dispatcher has the same two calls; what ``combine`` needs travels in ``Dispatched.plan`` (a
+frozen plan of the dispatcher's own), and what it keeps between calls (a row budget) it declares:
 
     dispatched = dispatcher.dispatch(x_TH, expert_ids_TK, weights_TK, tokens)  # rows by local expert
     y_MH = experts(dispatched.x_MH, dispatched.counts_L, dispatched.counts_host)
     out_TH = dispatcher.combine(y_MH, weights_TK, dispatched)   # weighted sum over the K choices
 
-``LocalDispatcher`` (one process, or no expert parallelism) is the reference every other one
-equals. Process groups are always passed in by the caller.
+``LocalDispatcher`` (one process) is the reference every other one equals. Process groups are
+always passed in by the caller.
 """
 
 from __future__ import annotations
@@ -36,11 +35,10 @@ if TYPE_CHECKING:
 
 
 class Dispatched:
-    """Rows for the local experts, plus what ``combine`` needs to undo the dispatch.
-
-    A dispatcher may return while the rows are still travelling (``arrive``): the first read of
-    ``x_MH`` waits for them, so work done between ``dispatch`` and that read (the layer's shared
-    experts) overlaps the exchange.
+    """Rows for the local experts, plus what ``combine`` needs to undo the dispatch. A dispatcher may
+    return while the rows are still travelling (``arrive``): the first read of ``x_MH`` waits for
+    them, so work done between ``dispatch`` and that read (the layer's shared experts) overlaps the
+    exchange.
 
     Attributes:
         x_MH: rows sorted by local expert.
@@ -81,12 +79,10 @@ class Dispatched:
 
 
 class Dispatcher(abc.ABC):
-    """The interface every dispatcher implements, with the capabilities it declares.
-
-    ``dispatch`` takes the call's routing weights and ``tokens`` (``lightning_ep.moe.tokens.LayerTokens``:
-    the padding mask, positions and every rank's token count, ``None``: all real, equal counts) and
-    uses what it needs of them; ``keep`` only where ``keeps_exchanges``.
-    """
+    """The interface every dispatcher implements, with the capabilities it declares. ``dispatch``
+    uses what it needs of the routing weights and ``tokens`` (``LayerTokens``: padding mask,
+    positions, every rank's token count; ``None``: all real, equal counts); ``keep`` only where
+    ``keeps_exchanges``."""
 
     num_experts: int
     num_local_experts: int
@@ -130,8 +126,7 @@ class Dispatcher(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no static plan.")
 
     def compile_plan(self, **compile_kwargs: Any) -> None:
-        """Run the plan's index arithmetic through ``torch.compile`` (``MoELayer.compile_routing``);
-        a dispatcher with nothing worth compiling keeps it eager."""
+        """Run the plan's index arithmetic through ``torch.compile``; a no-op where nothing is worth it."""
         return None
 
     def raise_if_over_budget(self) -> None:
@@ -141,11 +136,18 @@ class Dispatcher(abc.ABC):
 
 
 def expert_layout(num_experts: int, group: dist.ProcessGroup | None) -> tuple[int, int, int]:
-    """``(D, rank, L)`` of an expert-parallel group (``None``: one process): its size, this rank, and
-    the experts per rank."""
+    """``(D, rank, L)`` of an expert-parallel group (``None``: one process)."""
     degree = dist.get_world_size(group) if group is not None else 1
     local = Layout(world=degree, degree=degree).local_experts(num_experts)
     return degree, dist.get_rank(group) if group is not None else 0, local
+
+
+def gather_counts(counts_E: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's pairs per expert, ``[D, E]`` on the device (no host sync)."""
+    world = dist.get_world_size(group)
+    flat = counts_E.new_empty(world * counts_E.numel())  # gloo gathers into a flat tensor only
+    dist.all_gather_into_tensor(flat, counts_E, group=group)
+    return flat.view(world, -1)
 
 
 @dataclass(frozen=True)

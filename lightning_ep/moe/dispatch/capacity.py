@@ -3,17 +3,13 @@
 Legend: T tokens on this rank, H hidden size, K experts per token, E global experts, D ranks of the
 expert-parallel group (1 on one process), L = E / D local experts, C capacity per (rank, expert).
 
-``C = ceil((T * K / E) * capacity_factor)``, Megatron-Core's ``get_capacity`` (the same integer at
-exact boundaries), from each rank's own ``T``, as data parallelism of the unsharded model computes it
-on each rank's micro-batch. Each rank fills a ``[E, C_max, H]`` buffer, ``C_max`` the largest
-capacity in the group, slot ``(e, c)`` holding the ``c``-th row this rank keeps for expert ``e``
-(zeros where fewer arrived). Which rows are kept when an expert is over capacity is the drop
-policy: ``"probs"`` keeps the highest routing weights, ``"position"`` the tokens earliest in their
-sequence (ties: the earlier sequence), as Megatron-Core does on its ``[S, B]``-flattened tokens. A
-dropped (token, expert) pair contributes nothing to the layer output: the token still flows through
-the decoder's residual connection. The dropped count is returned so the layer can report it.
-
-The all-to-all exchanges ``L * C_max`` rows with each rank and each local expert runs on exactly
+``C`` (``capacity``) comes from each rank's own ``T``, as data parallelism of the unsharded model
+computes it on each rank's micro-batch. Each rank fills a ``[E, C_max, H]`` buffer, ``C_max`` the
+largest capacity in the group, slot ``(e, c)`` holding the ``c``-th row this rank keeps for expert
+``e`` (zeros where fewer arrived). The drop policy picks the rows kept (``keep_slots``). A dropped
+(token, expert) pair contributes nothing to the layer output: the token still flows through the
+decoder's residual connection. The dropped count is returned so the layer can report it. The
+all-to-all exchanges ``L * C_max`` rows with each rank and each local expert runs on exactly
 ``D * C_max`` rows, so no split size is read back. When the ranks' token counts may differ, ``C_max``
 needs them: one all-gather of one integer per call of the model (``lightning_ep.moe.tokens``).
 Padding rows are zeros and no output is read from them, so they change nothing.
@@ -31,7 +27,7 @@ import torch.distributed as dist
 from lightning_ep.moe.config import DropPolicy
 from lightning_ep.moe.dispatch.base import Dispatched, Dispatcher, expert_layout
 from lightning_ep.moe.dispatch.comm import all_to_all, finish_all_to_all, start_all_to_all
-from lightning_ep.moe.dispatch.rows import narrow_keys
+from lightning_ep.moe.dispatch.rows import count_ids, narrow_keys
 
 if TYPE_CHECKING:
     from lightning_ep.moe.dispatch.kept import KeptExchange
@@ -39,9 +35,8 @@ if TYPE_CHECKING:
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Rows each expert accepts from one rank: ``ceil((T * K / E) * capacity_factor)``, at least 1.
-
-    The float operations are Megatron-Core's (``get_capacity(T * K, E, capacity_factor)``), so the
+    """Rows each expert accepts from one rank: ``ceil((T * K / E) * capacity_factor)``, at least 1. The
+    float operations are Megatron-Core's (``get_capacity(T * K, E, capacity_factor)``), so the
     integer is the same at exact boundaries, where ``capacity_factor * T * K / E`` may round the other
     way (``T, K, E = 30, 6, 4`` and ``capacity_factor = 2.2``: ``ceil(2.2 * 30 * 6 / 4) = 99`` but
     ``ceil((30 * 6 / 4) * 2.2) = ceil(99.00000000000001) = 100``).
@@ -65,49 +60,41 @@ def keep_slots(
     positions_T: torch.Tensor | None = None,
     valid_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Which (token, choice) pairs fit their expert's capacity, and their rank within the expert.
+    """Which (token, choice) pairs fit their expert's capacity ``cap`` (an int or a 0-dim device
+    tensor), and their rank within the expert. No host sync.
 
-    Args:
-        expert_ids_TK: chosen experts.
-        weights_TK: routing weights (the ``"probs"`` policy ranks by them).
-        num_experts: ``E``.
-        cap: rows each expert keeps (an int, or a 0-dim device tensor).
-        policy: ``"probs"`` or ``"position"``.
-        positions_T: int64 position of each token in its sequence (``"position"`` keeps the smallest,
-            ties by token order); ``None``: token order.
-        valid_T: bool, ``False`` at padded tokens, whose pairs are never kept and take no capacity.
-    Returns:
-        ``rank_N`` (int64: the pair's rank within its expert, best first), ``keep_N`` (bool: a real
-        pair with rank ``< cap``) and ``counts_E`` (real pairs per expert, before dropping). No host sync.
+    The ``"probs"`` policy keeps the highest ``weights_TK``; ``"position"`` the smallest
+    ``positions_T`` (int64 position of each token in its sequence; ``None``: token order), ties by
+    token order, as Megatron-Core does on its ``[S, B]``-flattened tokens. ``valid_T`` (bool):
+    ``False`` at padded tokens, whose pairs are never kept and take no capacity. Returns ``rank_N``
+    (int64: the pair's rank within its expert, best first), ``keep_N`` (bool: a real pair with rank
+    ``< cap``) and ``counts_E`` (real pairs per expert, before dropping).
     """
     flat_N = expert_ids_TK.reshape(-1)
     n, top_k = flat_N.numel(), expert_ids_TK.shape[1]
+    real_N = valid_T.repeat_interleave(top_k) if valid_T is not None else None
     if policy == "probs":
         assert weights_TK is not None
         score_N = weights_TK.detach().reshape(-1)
-        if valid_T is not None:  # padded pairs rank last
-            score_N = torch.where(valid_T.repeat_interleave(top_k), score_N, float("-inf"))
+        if real_N is not None:  # padded pairs rank last
+            score_N = torch.where(real_N, score_N, float("-inf"))
         priority = torch.argsort(score_N, descending=True, stable=True)
     else:
         position_N = (
             torch.arange(n, device=flat_N.device) if positions_T is None else positions_T.repeat_interleave(top_k)
         )
-        if valid_T is not None:
-            position_N = torch.where(valid_T.repeat_interleave(top_k), position_N, torch.iinfo(torch.int64).max)
+        if real_N is not None:
+            position_N = torch.where(real_N, position_N, torch.iinfo(torch.int64).max)
         priority = torch.argsort(position_N, stable=True)
     # Stable sort by expert of the priority-ordered pairs: within each expert, best first.
     by_expert = priority[torch.argsort(narrow_keys(flat_N[priority], num_experts), stable=True)]
-    all_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_N.device)
-    all_E.scatter_add_(0, flat_N, torch.ones_like(flat_N))
+    all_E = count_ids(expert_ids_TK, num_experts)
     starts_E = torch.cumsum(all_E, 0) - all_E
     rank_sorted = torch.arange(n, device=flat_N.device) - starts_E[flat_N[by_expert]]
     rank_N = torch.empty_like(rank_sorted).scatter_(0, by_expert, rank_sorted)
-    keep_N = rank_N < cap
-    if valid_T is None:
-        return rank_N, keep_N, all_E
-    real_N = valid_T.repeat_interleave(top_k)
-    counts_E = torch.zeros_like(all_E).scatter_add_(0, flat_N, real_N.to(torch.int64))
-    return rank_N, keep_N & real_N, counts_E
+    if real_N is None:
+        return rank_N, rank_N < cap, all_E
+    return rank_N, (rank_N < cap) & real_N, count_ids(expert_ids_TK, num_experts, valid_T)
 
 
 @dataclass(frozen=True)
@@ -120,23 +107,14 @@ class SlotPlan:
 
 
 class CapacityDispatcher(Dispatcher):
-    """Static-size dispatch with a per-(rank, expert) capacity; ``group=None`` is one process.
-
-    Args:
-        num_experts: global expert count ``E``.
-        capacity_factor: ``C = ceil((T * K / E) * capacity_factor)``.
-        drop_policy: ``"probs"`` or ``"position"``.
-        group: the expert-parallel process group, or ``None``.
-    """
+    """Static-size dispatch with a per-(rank, expert) capacity; ``group=None`` is one process."""
 
     def __init__(
         self, num_experts: int, capacity_factor: float, drop_policy: DropPolicy, group: dist.ProcessGroup | None = None
     ) -> None:
         self.degree, _, self.num_local_experts = expert_layout(num_experts, group)
         self.group = group if self.degree > 1 else None
-        self.num_experts = num_experts
-        self.capacity_factor = capacity_factor
-        self.drop_policy = drop_policy
+        self.num_experts, self.capacity_factor, self.drop_policy = num_experts, capacity_factor, drop_policy
         # Above one rank every rank's token count sizes the common capacity C_max.
         self.needs_group_tokens = self.group is not None
 
@@ -149,9 +127,8 @@ class CapacityDispatcher(Dispatcher):
         keep: KeptExchange | None = None,
     ) -> Dispatched:
         """Rows for the local experts (still travelling above one rank). Of ``tokens`` it reads the
-        positions (``"position"`` policy; ``None``: token order), the padding mask ``valid_T`` (one
-        process only, where the layer keeps the call's shapes under ``torch.compile``: the capacity is
-        then that of the real tokens) and every rank's token count (above one rank)."""
+        positions, every rank's token count and the padding mask (one process only, where the layer
+        keeps the call's shapes under ``torch.compile``: the capacity is then that of the real tokens)."""
         positions_T = tokens.positions_T if tokens is not None else None
         valid_T = tokens.valid_T if tokens is not None else None
         group_tokens = tokens.group_tokens if tokens is not None else None

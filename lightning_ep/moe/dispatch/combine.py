@@ -4,15 +4,14 @@ Legend: T tokens, K experts per token, H hidden size, N = T * K expert-output ro
 
     out_TH[t] = sum_k weights_TK[t, k] * y_NH[inverse_N[t * K + k]]
 
-Two implementations with one contract (``weighted_combine``):
+Two implementations of ``weighted_combine``:
 
-- a fused Triton kernel on CUDA: forward reads each expert-output row once and writes ``out``;
-  backward writes ``grad_y`` straight into the sorted layout and the K weight gradients with one
-  read of ``y``. Weights stay in their own dtype (fp32 from the router) and every sum is in fp32.
-- the torch fallback (CPU, or CUDA without Triton), the reference the kernel is tested against:
-  a permutation gather and a batched ``[1, K] @ [K, H]`` product forward; backward gathers the
-  output gradient into the sorted layout and scales it (no ``[K, 1] @ [1, H]`` outer-product
-  GEMM, no atomics).
+- a fused Triton kernel on CUDA: forward reads each expert-output row once; backward writes
+  ``grad_y`` straight into the sorted layout and the K weight gradients with one read of ``y``.
+  Weights stay in their own dtype (fp32 from the router) and every sum is in fp32.
+- the torch reference (CPU, or CUDA without Triton): a permutation gather and a batched
+  ``[1, K] @ [K, H]`` product; backward gathers the output gradient into the sorted layout and
+  scales it (no outer-product GEMM, no atomics).
 """
 
 from __future__ import annotations
@@ -35,11 +34,8 @@ def fused_combine_available(y_NH: torch.Tensor) -> bool:
 def weighted_combine(
     y_NH: torch.Tensor, inverse_N: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor
 ) -> torch.Tensor:
-    """``out_TH[t] = sum_k weights_TK[t, k] * y_NH[inverse_N[t * K + k]]``, differentiable in ``y_NH``
-    and ``weights_TK``. ``order_N`` is the inverse of the permutation ``inverse_N``.
-
-    Returns ``[T, H]`` in the dtype of ``y_NH``; the weights' gradient has their dtype.
-    """
+    """``out_TH`` of the module docstring, differentiable in ``y_NH`` and ``weights_TK`` (``order_N``:
+    the inverse of ``inverse_N``). ``[T, H]`` in the dtype of ``y_NH``; the weights' gradient in theirs."""
     if fused_combine_available(y_NH):
         return _FusedCombine.apply(y_NH, weights_TK, inverse_N)
     return _TorchCombine.apply(y_NH, weights_TK, inverse_N, order_N)
@@ -88,14 +84,13 @@ class _TorchCombine(torch.autograd.Function):
 class _FusedCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y_NH: torch.Tensor, weights_TK: torch.Tensor, inverse_N: torch.Tensor) -> torch.Tensor:
-        kernels = _triton()
         num_tokens, top_k = weights_TK.shape
         hidden = y_NH.shape[1]
         y_NH, weights_TK, inverse_N = y_NH.contiguous(), weights_TK.contiguous(), inverse_N.contiguous()
         out_TH = y_NH.new_empty((num_tokens, hidden))
         if num_tokens:
             grid = (num_tokens, -(-hidden // _BLOCK_H))
-            kernels.forward[grid](
+            _triton().forward[grid](
                 y_NH, inverse_N, weights_TK, out_TH, H=hidden, K=top_k, BLOCK_H=_BLOCK_H, WEIGHTED=True
             )
         ctx.save_for_backward(y_NH, weights_TK, inverse_N)
@@ -103,7 +98,6 @@ class _FusedCombine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_TH: torch.Tensor) -> tuple[Any, ...]:
-        kernels = _triton()
         y_NH, weights_TK, inverse_N = ctx.saved_tensors
         num_tokens, top_k = weights_TK.shape
         hidden = y_NH.shape[1]
@@ -111,7 +105,7 @@ class _FusedCombine(torch.autograd.Function):
         grad_y_NH = torch.empty_like(y_NH)
         grad_w_TK = torch.empty((num_tokens, top_k), dtype=torch.float32, device=y_NH.device)
         if num_tokens:
-            kernels.backward[(num_tokens,)](
+            _triton().backward[(num_tokens,)](
                 grad_TH, y_NH, inverse_N, weights_TK, grad_y_NH, grad_w_TK, H=hidden, K=top_k, BLOCK_H=_BLOCK_H
             )
         return grad_y_NH, grad_w_TK.to(weights_TK.dtype), None

@@ -1,7 +1,5 @@
-"""Differentiable collectives used by the expert-parallel dispatchers.
-
-Each is a thin ``autograd.Function`` whose backward is the adjoint collective: all-to-all with the
-split sizes swapped, all-gather <-> reduce-scatter (sum). The process group is always an argument.
+"""Differentiable collectives used by the expert-parallel dispatchers; each backward is the adjoint
+collective: all-to-all with the split sizes swapped, all-gather <-> reduce-scatter (sum).
 """
 
 from __future__ import annotations
@@ -20,21 +18,18 @@ def all_to_all(
     replay: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-size all-to-all of the rows of ``x``: ``in_splits[j]`` rows go to rank ``j``,
-    ``out_splits[j]`` rows come from rank ``j``. Differentiable.
-
-    ``replay``: the rows this very exchange received before (an activation-checkpointing
-    recomputation); forward returns them without communicating, backward exchanges as usual.
-    """
-    return _AllToAll.apply(x, out_splits, in_splits, group, replay)
+    ``out_splits[j]`` rows come from rank ``j``. Differentiable. ``replay``: the rows this very exchange
+    received before (an activation-checkpointing recomputation), returned without communicating;
+    backward exchanges as usual."""
+    return finish_all_to_all(*start_all_to_all(x, out_splits, in_splits, group, replay))
 
 
 class InFlight:
     """An all-to-all launched by ``start_all_to_all`` and not yet waited for by ``finish_all_to_all``.
-
-    Work queued between the two overlaps the exchange, in forward and in backward alike: the
-    backward of ``finish_all_to_all`` launches the reverse exchange and that of
-    ``start_all_to_all`` waits for it; autograd runs the backward of whatever was computed between
-    them (created later, so run earlier) in between.
+    Work queued between the two overlaps the exchange, in forward and backward alike: the backward of
+    ``finish_all_to_all`` launches the reverse exchange and that of ``start_all_to_all`` waits for it;
+    autograd runs the backward of whatever was computed between them (created later, so run earlier)
+    in between.
     """
 
     def __init__(self, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> None:
@@ -71,9 +66,8 @@ def start_all_to_all(
     group: dist.ProcessGroup,
     replay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, InFlight]:
-    """Launch ``all_to_all(x, out_splits, in_splits, group)`` without waiting. Returns a tensor
-    that must only be passed to ``finish_all_to_all`` (its rows are still arriving), and the
-    handle. Differentiable; ``replay`` as in ``all_to_all``."""
+    """Launch ``all_to_all`` without waiting: a tensor that must only be passed to
+    ``finish_all_to_all`` (its rows are still arriving), and the handle. Differentiable."""
     flight = InFlight(out_splits, in_splits, group)
     return _StartAllToAll.apply(x, flight, replay), flight
 
@@ -85,18 +79,12 @@ def finish_all_to_all(pending: torch.Tensor, flight: InFlight) -> torch.Tensor:
 
 def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate the equally shaped ``x`` of every rank along dim 0. Backward: reduce-scatter."""
-    return _AllGather.apply(x, group)
+    return _WithAdjoint.apply(x, group, _gather_raw, _reduce_scatter_raw)
 
 
 def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's equal slice of dim 0. Backward: all-gather."""
-    return _ReduceScatter.apply(x, group)
-
-
-def _all_to_all_raw(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
+    return _WithAdjoint.apply(x, group, _reduce_scatter_raw, _gather_raw)
 
 
 def _gather_raw(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -115,43 +103,17 @@ def _reduce_scatter_raw(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-class _AllToAll(torch.autograd.Function):
+class _WithAdjoint(torch.autograd.Function):
+    """The collective ``forward(x, group)``, whose backward is the ``adjoint`` collective."""
+
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any, replay: Any
-    ) -> torch.Tensor:
-        ctx.splits = (out_splits, in_splits)
-        ctx.group = group
-        if replay is not None:
-            return replay.view_as(replay)
-        return _all_to_all_raw(x, out_splits, in_splits, group)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, forward: Any, adjoint: Any) -> torch.Tensor:
+        ctx.group, ctx.adjoint = group, adjoint
+        return forward(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        out_splits, in_splits = ctx.splits
-        return _all_to_all_raw(grad, in_splits, out_splits, ctx.group), None, None, None, None
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _gather_raw(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _reduce_scatter_raw(grad, ctx.group), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_raw(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _gather_raw(grad, ctx.group), None
+        return ctx.adjoint(grad, ctx.group), None, None, None
 
 
 class _StartAllToAll(torch.autograd.Function):

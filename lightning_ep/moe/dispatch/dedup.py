@@ -16,10 +16,8 @@ in fp32, ``2x`` the bytes of the forward's rows.
     pending, flight = send_tokens(x_TH, token_S, out_splits, in_splits, group)
     x_MH = receive_tokens(pending, flight, gather_M)     # waits for the rows, copies them
 
-``DedupAllToAllDispatcher`` is the all-to-all dispatcher with these two in place of its exchange;
-its combine is the all-to-all's.
-``segment_sum`` is the deterministic fp32 scatter-sum both backwards use: a Triton kernel on CUDA,
-``index_add_`` in fp32 elsewhere (the reference the kernel is tested against, bitwise).
+``DedupAllToAllDispatcher`` puts these two in place of the all-to-all's exchange and keeps its
+combine; both backwards sum with ``segment_sum``.
 """
 
 from __future__ import annotations
@@ -54,8 +52,7 @@ class DedupAllToAllDispatcher(AllToAllDispatcher):
     """The all-to-all dispatcher sending each token once per destination rank (see the module docstring)."""
 
     def plan(self, expert_ids_TK: torch.Tensor) -> DedupPlan:
-        """The all-to-all's plan with the distinct tokens per destination counted in the same count
-        exchange and host read (one more column), and the token maps (``DedupPlan``)."""
+        """The all-to-all's plan plus the token maps, counted in the same exchange and host read."""
         D, L, T = self.degree, self.num_local_experts, expert_ids_TK.shape[0]
         order_N, counts_E = sort_by_expert(expert_ids_TK, self.num_experts)
         dest_TK = torch.div(expert_ids_TK, L, rounding_mode="floor")
@@ -112,12 +109,9 @@ class DedupAllToAllDispatcher(AllToAllDispatcher):
 
 
 def segment_sum(src_JH: torch.Tensor, index_J: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """``out[r] = sum(src_JH[j] for j in ascending order if index_J[j] == r)``, ``[num_rows, H]``.
-
-    Accumulates in fp32 (fp64 for fp64 input) starting from zero and rounds once to ``dtype``; rows
-    that no ``j`` points at are zero. The Triton kernel (CUDA) adds in the same order as the fp32
-    ``index_add_`` reference, so both give the same bits, and neither uses atomics.
-    """
+    """``out[r] = sum(src_JH[j] for j in ascending order if index_J[j] == r)``, ``[num_rows, H]``,
+    accumulated in fp32 (fp64 for fp64) from zero and rounded once to ``dtype``. The Triton kernel
+    (CUDA) adds in the same order as the fp32 ``index_add_`` reference: the same bits, no atomics."""
     hidden = src_JH.shape[1]
     acc_dtype = wire_dtype(src_JH.dtype)
     kernel = _triton() if src_JH.is_cuda and acc_dtype == torch.float32 else None
@@ -147,23 +141,17 @@ def send_tokens(
     group: dist.ProcessGroup,
     replay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, InFlight]:
-    """Launch the exchange of rows ``x_TH[token_S]`` (``in_splits[j]`` to rank ``j``, ``out_splits[j]``
-    from it) without waiting. Returns a placeholder for ``receive_tokens`` and the handle.
-
-    Backward: waits for the fp32 gradient rows ``receive_tokens``'s backward sent back and sums
-    them per token. ``replay``: the rows this exchange received before (activation-checkpointing
-    recomputation), returned without communicating.
-    """
+    """``start_all_to_all`` of the rows ``x_TH[token_S]``: a placeholder for ``receive_tokens`` and
+    the handle. Backward: waits for the fp32 gradient rows ``receive_tokens``'s backward sent back
+    and sums them per token."""
     flight = InFlight(out_splits, in_splits, group)
     return _Send.apply(x_TH, token_S, flight, replay), flight
 
 
 def receive_tokens(pending: torch.Tensor, flight: InFlight, gather_M: torch.Tensor) -> torch.Tensor:
     """Wait for the rows ``send_tokens`` launched and copy them to the local experts:
-    ``x_MH[m] = received_RH[gather_M[m]]``. ``flight.received`` keeps ``received_RH``.
-
-    Backward: sums the gradient of each received row's copies in fp32 and sends it back.
-    """
+    ``x_MH[m] = received_RH[gather_M[m]]`` (``flight.received`` keeps ``received_RH``). Backward:
+    sums the gradient of each received row's copies in fp32 and sends it back."""
     return _Receive.apply(pending, flight, gather_M)
 
 

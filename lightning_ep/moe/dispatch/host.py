@@ -1,10 +1,4 @@
-"""``HostCopy``: a device tensor copied to the host without a host sync where it is queued.
-
-The copy goes on the current stream into pinned memory, with an event behind it; ``wait`` blocks
-the host only until that copy is done. Read well after the queueing point (a backward reading its
-forward's counts, the optimizer step reading its micro-batches' losses), the GPU has long passed
-it, so the wait drains nothing.
-"""
+"""``HostCopy``: a device tensor copied to the host without a host sync where it is queued."""
 
 from __future__ import annotations
 
@@ -12,7 +6,11 @@ import torch
 
 
 class HostCopy:
-    """``values`` on the host: on CUDA a queued copy into pinned memory; a CPU tensor copied at once."""
+    """``values`` on the host: on CUDA a copy queued on the current stream into pinned memory, with an
+    event behind it (a CPU tensor is copied at once). ``wait`` blocks the host only until that copy
+    is done: read well after the queueing point (a backward reading its forward's counts, the
+    optimizer step reading its micro-batches' losses), the GPU has long passed it, so it drains nothing.
+    """
 
     def __init__(self, values: torch.Tensor) -> None:
         self.event: torch.cuda.Event | None = None

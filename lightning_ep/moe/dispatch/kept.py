@@ -12,13 +12,10 @@ from lightning_ep.moe.dispatch.base import LocalDispatcher
 
 class KeptExchange:
     """What one all-to-all dispatch and its combine keep so that the recomputation of the layer skips
-    the count exchange, the host sync and both token exchanges: the plan (sort order, split sizes,
-    regrouping) and the rows each exchange received, ``M x H`` (deduplicated: the received tokens)
-    and ``N x H`` elements held from the forward until the recomputation.
-
-    An empty one given to ``dispatch(keep=...)`` records; a complete one replays: the plan and the
-    received rows are reused and nothing is exchanged forward, while backward exchanges gradients
-    as usual.
+    the count exchange, the host sync and both token exchanges: the plan and the rows each exchange
+    received, ``M x H`` (deduplicated: the received tokens) and ``N x H`` elements held from the
+    forward until the recomputation. Same numbers. An empty one given to ``dispatch(keep=...)``
+    records; a complete one replays (nothing is exchanged forward; backward exchanges gradients as usual).
     """
 
     def __init__(self) -> None:
@@ -32,9 +29,8 @@ class KeptExchange:
 
 
 def exchange_to_keep(records: Any, dispatcher: Any, draw_id: int, backward: bool) -> KeptExchange | None:
-    """For ``MoELayer.keep_all_to_all``: a new ``KeptExchange`` recorded in ``records`` (a layer's
-    ``ForwardRecords``) for training forward ``draw_id``, or inside backward (``backward``) the one that
-    forward recorded, for its activation-checkpointing recomputation; ``None`` on one process."""
+    """For ``MoELayer.keep_all_to_all``: a new ``KeptExchange`` recorded in ``records`` for training
+    forward ``draw_id``, or inside ``backward`` the one that forward recorded; ``None`` on one process."""
     if isinstance(dispatcher, LocalDispatcher):
         return None  # one process: nothing is exchanged
     if not dispatcher.keeps_exchanges:

@@ -14,11 +14,8 @@ from lightning_ep.moe.dispatch.combine import sum_copies, weighted_combine
 
 
 def expert_counts(sorted_ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Rows per expert (int64 ``[E]``) from ids sorted ascending, by binary search.
-
-    Unlike ``torch.bincount``, which reads the maximum id back to the host on CUDA, this never
-    synchronises with the device, and it is deterministic.
-    """
+    """Rows per expert (int64 ``[E]``) from ids sorted ascending, by binary search: deterministic,
+    and unlike ``torch.bincount`` (which reads the maximum id back on CUDA) no host sync."""
     bounds = torch.arange(num_experts + 1, device=sorted_ids_N.device, dtype=sorted_ids_N.dtype)
     edges_E1 = torch.searchsorted(sorted_ids_N, bounds)
     return edges_E1[1:] - edges_E1[:-1]
@@ -32,23 +29,18 @@ def block_of_rows(ends: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def count_ids(expert_ids_TK: torch.Tensor, num_experts: int, valid_T: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows per expert (int64 ``[E]``) of unsorted ids, by an integer scatter-add: no host sync.
-
-    ``valid_T`` (bool ``[T]``): count the rows of those tokens only."""
+    """Rows per expert (int64 ``[E]``) of unsorted ids (of the tokens ``valid_T`` only): no host sync."""
     flat = expert_ids_TK.reshape(-1)
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     if valid_T is None:
-        return counts_E.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
-    ones = valid_T.to(torch.int64)[:, None].expand(expert_ids_TK.shape).reshape(-1)
-    return counts_E.scatter_add_(0, flat, ones)
+        ones = torch.ones_like(flat, dtype=torch.int64)
+    else:
+        ones = valid_T.to(torch.int64)[:, None].expand(expert_ids_TK.shape).reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, ones)
 
 
 def narrow_keys(keys: torch.Tensor, bound: int) -> torch.Tensor:
-    """``keys`` (integers in ``[0, bound]``) in the narrowest integer dtype that holds ``bound``.
-
-    A stable sort gives the same order on the narrowed keys, in fewer passes: CUDA's radix sort
-    makes one pass per 8 key bits (int64: 8 passes, ``uint8``: 1).
-    """
+    """``keys`` (integers in ``[0, bound]``) in the narrowest integer dtype that holds ``bound``: a
+    stable sort gives the same order in fewer passes (CUDA's radix sort makes one per 8 key bits)."""
     for dtype in (torch.uint8, torch.int16, torch.int32):
         if bound <= torch.iinfo(dtype).max:
             return keys.to(dtype)
@@ -56,12 +48,9 @@ def narrow_keys(keys: torch.Tensor, bound: int) -> torch.Tensor:
 
 
 def sort_by_expert(expert_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable order of the ``N = T * K`` (token, choice) pairs by expert, and the count per expert.
-
-    Returns:
-        ``order_N`` (int64: position ``i`` of the sorted list holds flat pair ``order_N[i]``, whose
-        token is ``order_N[i] // K``) and ``counts_E`` (int64). No host sync.
-    """
+    """Stable order of the ``N = T * K`` (token, choice) pairs by expert, and the count per expert:
+    ``order_N`` (int64: sorted position ``i`` holds flat pair ``order_N[i]``, of token
+    ``order_N[i] // K``) and ``counts_E`` (int64). No host sync."""
     # num_experts, not num_experts - 1: expert_counts searches for the bound E too.
     sorted_N, order_N = torch.sort(narrow_keys(expert_ids_TK.reshape(-1), num_experts), stable=True)
     return order_N, expert_counts(sorted_N, num_experts)
@@ -74,11 +63,8 @@ def inverse_permutation(order_N: torch.Tensor) -> torch.Tensor:
 
 
 class _PermuteRows(torch.autograd.Function):
-    """``x[index]`` for a permutation ``index``; backward gathers with the inverse permutation.
-
-    ``index_select``'s own backward zero-fills a buffer and scatter-adds into it with atomics;
-    for a permutation the adjoint is a plain gather: one read and one write, deterministic.
-    """
+    """``x[index]`` for a permutation ``index``; backward gathers with the inverse permutation (one
+    read, one write, deterministic) where ``index_select``'s zero-fills and scatter-adds with atomics."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -93,10 +79,7 @@ class _PermuteRows(torch.autograd.Function):
 
 class _ExpandRows(torch.autograd.Function):
     """``x_NH[i] = x_TH[order_N[i] // K]``; backward: each token's K gradient copies, found through
-    the inverse, summed (``combine.sum_copies``: one pass on CUDA).
-
-    The sum over ``K`` runs in fp32 and rounds once, instead of ``K`` rounded atomic adds.
-    """
+    the inverse, summed in fp32 and rounded once (``combine.sum_copies``), not ``K`` rounded atomic adds."""
 
     @staticmethod
     def forward(
@@ -120,11 +103,8 @@ def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) ->
 def gather_rows(
     x_TH: torch.Tensor, order_N: torch.Tensor, top_k: int, inverse_N: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Rows of ``x_TH`` in sorted pair order: ``x_NH[i] = x_TH[order_N[i] // K]``.
-
-    ``order_N`` must be a permutation of ``T * K`` pairs (``inverse_N`` its inverse, computed if not
-    given); then the backward is a gather and a sum over the ``K`` copies (no atomics).
-    """
+    """Rows of ``x_TH`` in sorted pair order: ``x_NH[i] = x_TH[order_N[i] // K]``, for a permutation
+    ``order_N`` of the ``T * K`` pairs (``inverse_N``: its inverse, computed if not given). No atomics."""
     if inverse_N is None:
         inverse_N = inverse_permutation(order_N)
     return _ExpandRows.apply(x_TH, order_N, inverse_N, top_k)
@@ -133,9 +113,6 @@ def gather_rows(
 def weighted_unsort(
     y_NH: torch.Tensor, inverse_N: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor
 ) -> torch.Tensor:
-    """Undo ``gather_rows`` and combine: ``out[t] = sum_k weights[t, k] * y[pair (t, k)]``.
-
-    ``inverse_N`` is the inverse of ``order_N``. A fused Triton kernel on CUDA, a permutation
-    gather plus a batched product elsewhere (``lightning_ep.moe.dispatch.combine``); deterministic, no atomics.
-    """
+    """Undo ``gather_rows`` and combine: ``out[t] = sum_k weights[t, k] * y[pair (t, k)]``
+    (``combine.weighted_combine``; deterministic, no atomics)."""
     return weighted_combine(y_NH, inverse_N, order_N, weights_TK)

@@ -16,10 +16,8 @@ def make_dispatcher(
     group: dist.ProcessGroup | None = None,
     execution: LayerExecution | None = None,
 ) -> Dispatcher:
-    """Capacity-bounded when ``config.capacity_factor`` is set; otherwise local on one process (or a
-    group of one), or across a group: all-gather (``moe_all_to_all_dispatcher=False``), or the
-    all-to-all, deduplicated (``execution.token_dedup``), padded to a row budget
-    (``execution.row_budget``), or pulled through symmetric memory (``execution.exchange``)."""
+    """The dispatcher for ``config`` and ``execution`` (checked at the group's degree) across ``group``
+    (``None``: one process)."""
     execution = execution if execution is not None else LayerExecution()
     degree = dist.get_world_size(group) if group is not None else 1
     execution.check(config, degree)

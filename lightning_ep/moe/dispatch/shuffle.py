@@ -26,9 +26,8 @@ class ShufflePlan:
 
 
 class TokenShuffle:
-    """Permute the tokens of an expert-parallel group across its ranks, and put them back.
-
-    The permutation ``P`` of the group's ``G = sum_r T_r`` tokens (rank ``r`` holds ``T_r``, old
+    """Permute the tokens of an expert-parallel group across its ranks, and put them back. The
+    permutation ``P`` of the group's ``G = sum_r T_r`` tokens (rank ``r`` holds ``T_r``, old
     global positions ``offset_r .. offset_r + T_r - 1``) is drawn from a generator that is seeded
     alike on every rank, so every rank knows every split size from the token counts alone: new
     global position ``q`` receives old global token ``P[q]``, and rank ``r`` keeps ``T_r`` tokens,
@@ -36,9 +35,7 @@ class TokenShuffle:
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.degree = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.group, self.degree, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
 
     def shuffle(
         self,
@@ -48,9 +45,7 @@ class TokenShuffle:
         extra_T: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ShufflePlan, torch.Tensor | None]:
         """This rank's tokens after the permutation, the plan ``unshuffle`` needs, and ``extra_T`` (a
-        per-token integer, e.g. positions in the sequence) moved along with the tokens.
-
-        ``group_tokens``: every rank's token count in rank order (``None``: all ``T``)."""
+        per-token integer, e.g. positions) moved along. ``group_tokens``: every rank's count (``None``: all ``T``)."""
         D, r, T = self.degree, self.rank, x_TH.shape[0]
         counts = group_tokens if group_tokens is not None else [T] * D
         if counts[r] != T:
@@ -67,8 +62,7 @@ class TokenShuffle:
         recv_order = torch.argsort(source_of_new, stable=True)  # buffer row i holds new position recv_order[i]
         recv_splits = torch.bincount(source_of_new, minlength=D).tolist()
 
-        device = x_TH.device
-        send_order, recv_order = send_order.to(device), recv_order.to(device)
+        send_order, recv_order = send_order.to(x_TH.device), recv_order.to(x_TH.device)
         unsend_order, unrecv_order = inverse_permutation(send_order), inverse_permutation(recv_order)
         send_TH = permute_rows(x_TH, send_order, unsend_order)
         buffer_TH = all_to_all(send_TH, recv_splits, send_splits, self.group)

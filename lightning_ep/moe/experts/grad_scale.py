@@ -21,8 +21,6 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """Identity in forward; multiplies the gradient by ``scale`` in backward."""
-
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
@@ -38,11 +36,10 @@ def with_grad_scale(
 ) -> torch.Tensor:
     """``fn(x_NH, *weights)``, with every weight's gradient multiplied by ``scale`` and ``x_NH``'s not.
 
-    Backward is linear in the incoming gradient, so multiplying the output's gradient by ``scale``
-    and the input's by ``1 / scale`` scales exactly the weights' gradients. That touches ``2 N H``
-    elements instead of the weights' ``L H I``-sized gradients, and is chosen when it is fewer
-    elements and ``scale`` is a power of two (so both multiplications are exact in any float
-    format); otherwise each weight's gradient is multiplied.
+    Backward is linear in the incoming gradient, so multiplying the output's gradient by ``scale`` and
+    the input's by ``1 / scale`` scales exactly the weights' gradients, touching ``2 N H`` elements
+    instead of ``L H I``: chosen when that is fewer and ``scale`` is a power of two (both products exact
+    in any float format); otherwise each weight's gradient is multiplied.
     """
     if scale == 1.0 or not torch.is_grad_enabled():
         return fn(x_NH, *weights)

@@ -4,13 +4,11 @@ Legend: N routed rows (sorted by expert), H hidden size, I expert width, F = 2I,
 held here (``E / degree`` under expert parallelism), r the adapter's rank.
 
 For an expert weight ``W [E, out, in]`` (``gate_up_proj [E, F, H]``, ``down_proj [E, H, I]``) the
-adapter holds ``A [E, r, in]`` and ``B [E, out, r]``, and expert ``e`` multiplies its rows by
-``W[e] + scaling * B[e] @ A[e]``: the weight PEFT's ``ParamWrapper`` folds for a 3-D parameter
-(``lightning_ep.models.peft_lora`` converts its factors' layout). Here the low-rank term is added to
-each GEMM's output instead, ``x @ W[e].T + scaling * (x @ A[e].T) @ B[e].T``: equal in exact
-arithmetic, and the frozen ``W`` needs no weight gradient, where the folded weight needs one of its
-full size. Dim 0 of ``A`` and ``B`` is the expert dim, so expert parallelism shards them with ``W``
-(rank ``i`` holds the factors of its experts) and their gradients take the experts' ``grad_scale``.
+adapter holds ``A [E, r, in]`` and ``B [E, out, r]``. PEFT's ``ParamWrapper`` folds the weight
+``W[e] + scaling * B[e] @ A[e]`` (``lightning_ep.models.peft_lora`` converts its layout); here the
+low-rank term is added to each GEMM's output, ``x @ W[e].T + scaling * (x @ A[e].T) @ B[e].T``: equal
+in exact arithmetic, without a full-size weight gradient for the frozen ``W``. Expert parallelism
+shards ``A`` and ``B`` with ``W`` on dim 0, and their gradients take the experts' ``grad_scale``.
 """
 
 from __future__ import annotations
@@ -22,12 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_ep.moe.experts.grouped import (
-    GROUPED_MM,
-    GroupedExperts,
-    grouped_mm_supported,
-    with_grad_scale,
-)
+from lightning_ep.moe.experts.grouped import GROUPED_MM, GroupedExperts, grouped_mm_supported, with_grad_scale
 from lightning_ep.moe.experts.segments import segment_linear
 from lightning_ep.moe.kernels.swiglu import swiglu
 
@@ -55,22 +48,14 @@ class LoRAGroupedExperts(GroupedExperts):
 
     Owns the frozen (or not) base weights, the very ``Parameter`` objects of the module it replaces,
     and for each adapted weight ``w`` the factors ``{w}_lora_A [E, r, in]`` and ``{w}_lora_B
-    [E, out, r]`` (``lora_names``), whose dim 0 is the global expert count like the weights'.
-
-    Args:
-        gate_up_proj: ``[E, 2I, H]``.
-        down_proj: ``[E, H, I]``.
-        act_fn: the gate's activation.
-        adapters: ``{"gate_up_proj" and/or "down_proj": ExpertLoRA}``.
-        use_grouped_mm: as in ``GroupedExperts``; ``grouped_mm`` also needs the factors' rows 16-byte
-            aligned (a rank that is a multiple of 8 in bf16), else ``None`` falls back to the loop.
+    [E, out, r]`` (``lora_names``). Arguments as ``GroupedExperts``'s, plus ``adapters``:
+    ``{"gate_up_proj" and/or "down_proj": ExpertLoRA}``. ``grouped_mm`` also needs the factors' rows
+    16-byte aligned (a rank that is a multiple of 8 in bf16), else ``None`` falls back to the loop.
 
     Both paths give every factor a gradient (zero for an expert that got no row) multiplied by
     ``grad_scale``; the base weights get one only if they require it (full fine-tuning beside LoRA).
     """
 
-    #: The per-expert path of ``GroupedExperts`` is the loop here too (``segment_linear``).
-    per_expert_min_gflop = GroupedExperts.per_expert_min_gflop
     #: The adapters' GEMMs take the weights cast by ``run`` (``compute_weights``).
     casts_in_gemms = False
 
@@ -84,31 +69,24 @@ class LoRAGroupedExperts(GroupedExperts):
         use_grouped_mm: bool | None = None,
     ) -> None:
         super().__init__(gate_up_proj, down_proj, act_fn, use_grouped_mm=use_grouped_mm)
-        unknown = sorted(set(adapters) - set(ADAPTABLE))
-        if unknown or not adapters:
+        if not adapters or not set(adapters) <= set(ADAPTABLE):
             raise ValueError(
                 f"LoRAGroupedExperts(adapters=...) takes adapters on {list(ADAPTABLE)}, got {sorted(adapters)}."
             )
         #: ``{weight name: scaling}`` of the adapted weights, in ``ADAPTABLE`` order.
         self.lora_scaling: dict[str, float] = {}
-        for weight in ADAPTABLE:
-            if weight not in adapters:
-                continue
+        for weight in [w for w in ADAPTABLE if w in adapters]:
             adapter = adapters[weight]
             num_experts, out_features, in_features = getattr(self, weight).shape
             rank = adapter.A.shape[1] if adapter.A.ndim == 3 else -1
-            if tuple(adapter.A.shape) != (num_experts, rank, in_features) or tuple(adapter.B.shape) != (
-                num_experts,
-                out_features,
-                rank,
-            ):
+            shape_A, shape_B = tuple(adapter.A.shape), tuple(adapter.B.shape)
+            if shape_A != (num_experts, rank, in_features) or shape_B != (num_experts, out_features, rank):
                 raise ValueError(
                     f"the LoRA factors of {weight} {(num_experts, out_features, in_features)} must be A [E, r, in] "
-                    f"and B [E, out, r], got A {tuple(adapter.A.shape)} and B {tuple(adapter.B.shape)}."
+                    f"and B [E, out, r], got A {shape_A} and B {shape_B}."
                 )
-            name_A, name_B = lora_names(weight)
-            setattr(self, name_A, adapter.A)
-            setattr(self, name_B, adapter.B)
+            for name, factor in zip(lora_names(weight), (adapter.A, adapter.B), strict=True):
+                setattr(self, name, factor)
             self.lora_scaling[weight] = float(adapter.scaling)
 
     @property
@@ -118,46 +96,46 @@ class LoRAGroupedExperts(GroupedExperts):
 
     def _params(self) -> list[torch.Tensor]:
         # [W1, W2, then A, B of each adapted weight in ADAPTABLE order]
-        params: list[torch.Tensor] = [self.gate_up_proj, self.down_proj]
-        for weight in self.lora_scaling:
-            params.extend(getattr(self, name) for name in lora_names(weight))
-        return params
+        factors = [getattr(self, name) for weight in self.lora_scaling for name in lora_names(weight)]
+        return [self.gate_up_proj, self.down_proj, *factors]
 
     def _factors(self, weights: Sequence[torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
         """``{weight name: (A, B, scaling)}`` out of ``weights`` (laid out as ``_params``)."""
-        out, i = {}, 2
-        for weight, scaling in self.lora_scaling.items():
-            out[weight] = (weights[i], weights[i + 1], scaling)
-            i += 2
-        return out
+        adapted = enumerate(self.lora_scaling.items())
+        return {weight: (weights[2 * k + 2], weights[2 * k + 3], scaling) for k, (weight, scaling) in adapted}
 
     def grouped_mm_runs(self, x_NH: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
         return grouped_mm_supported(x_NH, *weights)
 
-    def expert(self, x_nH: torch.Tensor, e: int, weights: list[torch.Tensor]) -> torch.Tensor:
+    def _mlp(
+        self,
+        x_NH: torch.Tensor,
+        weights: Sequence[torch.Tensor],
+        mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The MLP with its adapters, every product ``x @ w.T`` taken by ``mm(x, w)`` (``weights``: laid
+        out as ``_params``; ``rows``: as in ``swiglu``)."""
         factors = self._factors(weights)
 
         def linear(x: torch.Tensor, name: str, w: torch.Tensor) -> torch.Tensor:
-            y = x @ w[e].t()
+            y = mm(x, w)
             if name in factors:
                 A, B, scaling = factors[name]
-                y = y + scaling * ((x @ A[e].t()) @ B[e].t())
+                y = y + scaling * mm(mm(x, A), B)
             return y
 
-        return linear(swiglu(linear(x_nH, "gate_up_proj", weights[0]), self.act_fn), "down_proj", weights[1])
+        a_NI = swiglu(linear(x_NH, "gate_up_proj", weights[0]), self.act_fn, rows)
+        return linear(a_NI, "down_proj", weights[1])
+
+    def expert(self, x_nH: torch.Tensor, e: int, weights: list[torch.Tensor]) -> torch.Tensor:
+        return self._mlp(x_nH, weights, lambda x, w: x @ w[e].t())
 
     def forward(
         self, x_NH: torch.Tensor, counts_L: torch.Tensor, counts_host: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """Run each local expert, with its adapters, on its contiguous block of rows.
-
-        Args:
-            x_NH: rows sorted by local expert.
-            counts_L: rows per local expert, summing to ``N`` or less (the rows past them are padding).
-            counts_host: the same counts as host integers, when the caller has them.
-        Returns:
-            ``[N, H]`` expert outputs, in the order of ``x_NH``.
-        """
+        """Run each local expert, with its adapters, on its contiguous block of rows, as
+        ``GroupedExperts.forward``."""
         return self.run(x_NH, counts_L, self._params(), (0, 1), self._grouped, self._per_expert, counts_host)
 
     def _grouped(
@@ -165,40 +143,17 @@ class LoRAGroupedExperts(GroupedExperts):
     ) -> torch.Tensor:
         assert GROUPED_MM is not None
         offsets_L = torch.cumsum(counts_L.to(device=x_NH.device), dim=0).to(torch.int32)
-        act_fn = self.act_fn
 
-        def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor, float] | None):
-            y = GROUPED_MM(x, w.transpose(-2, -1), offs=offsets_L)
-            if lora is None:
-                return y
-            A, B, scaling = lora
-            low_Nr = GROUPED_MM(x, A.transpose(-2, -1), offs=offsets_L)
-            return y + scaling * GROUPED_MM(low_Nr, B.transpose(-2, -1), offs=offsets_L)
+        def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return GROUPED_MM(x, w.transpose(-2, -1), offs=offsets_L)
 
-        def mlp(x_NH: torch.Tensor, *w: torch.Tensor) -> torch.Tensor:
-            factors = self._factors(w)
-            h_NF = linear(x_NH, w[0], factors.get("gate_up_proj"))
-            a_NI = swiglu(h_NF, act_fn, offsets_L[-1:])
-            return linear(a_NI, w[1], factors.get("down_proj"))
-
-        return with_grad_scale(mlp, x_NH, weights, grad_scale)
+        return with_grad_scale(lambda x, *w: self._mlp(x, w, mm, offsets_L[-1:]), x_NH, weights, grad_scale)
 
     def _per_expert(
         self, x_NH: torch.Tensor, counts: list[int], weights: list[torch.Tensor], grad_scale: float
     ) -> torch.Tensor:
-        # One GEMM per expert and factor; segment_linear folds grad_scale into the weight gradients
-        # (none for a frozen weight) and gives an expert without rows zero factor gradients.
-        factors = self._factors(weights)
-
-        def linear(x: torch.Tensor, name: str, w: torch.Tensor) -> torch.Tensor:
-            y = segment_linear(x, w, counts, grad_scale)
-            if name in factors:
-                A, B, scaling = factors[name]
-                low_Nr = segment_linear(x, A, counts, grad_scale)
-                y = y + scaling * segment_linear(low_Nr, B, counts, grad_scale)
-            return y
-
-        return linear(swiglu(linear(x_NH, "gate_up_proj", weights[0]), self.act_fn), "down_proj", weights[1])
+        # One GEMM per expert and factor; segment_linear folds grad_scale into the weight gradients.
+        return self._mlp(x_NH, weights, lambda x, w: segment_linear(x, w, counts, grad_scale))
 
     @torch.no_grad()
     def reset_lora_parameters(self, init: bool | str = True) -> None:
@@ -212,8 +167,7 @@ class LoRAGroupedExperts(GroupedExperts):
             if init == "gaussian":
                 nn.init.normal_(A, mean=0.0, std=1.0 / rank)
             elif init is True or init is False:
-                bound = 1.0 / math.sqrt(in_features)
-                nn.init.uniform_(A, -bound, bound)
+                nn.init.uniform_(A, -1.0 / math.sqrt(in_features), 1.0 / math.sqrt(in_features))
             else:
                 raise ValueError(
                     f"LoRAGroupedExperts.reset_lora_parameters(init={init!r}): only True, False and 'gaussian' can "
@@ -221,8 +175,7 @@ class LoRAGroupedExperts(GroupedExperts):
                     "an initialisation that reads them."
                 )
             if init is False:
-                bound = 1.0 / math.sqrt(rank)
-                nn.init.uniform_(B, -bound, bound)
+                nn.init.uniform_(B, -1.0 / math.sqrt(rank), 1.0 / math.sqrt(rank))
             else:
                 nn.init.zeros_(B)
 

@@ -5,26 +5,18 @@ Legend: N rows sorted by expert, H hidden size, I expert width, F = 2I, L local 
 
     h = x @ w1[e].T;  a = act(h[:, :I]) * h[:, I:];  y = a @ w2[e].T     (the rows of expert e)
 
-Under expert parallelism the weights' gradients are multiplied by ``grad_scale`` (``1 / degree``,
-see ``GroupedExperts``). Under plain autograd that costs two passes over ``[N, H]`` gradients
-(``experts.with_grad_scale``). Here the SwiGLU backward writes ``grad_scale * grad_h`` and
-``grad_scale * a`` beside ``grad_h``, and the two weight-gradient GEMMs read those, while the
-input's gradient comes from the unscaled ``grad_h``. ``a`` is recomputed from ``h`` in that same
-pass rather than saved, so the forward keeps ``N x I`` fewer elements per layer.
+Scaling the weights' gradients (``GroupedExperts.grad_scale``) under plain autograd costs two passes
+over ``[N, H]`` gradients (``with_grad_scale``). Here the SwiGLU backward writes ``grad_scale * grad_h``
+and ``grad_scale * a`` (``a`` recomputed, not saved: ``N x I`` fewer elements kept) for the weight
+gradients beside the unscaled ``grad_h`` for the input's. A power-of-two scale gives exactly the
+autograd path's gradients; another is applied before the one rounding of ``grad_h`` and ``a``.
 
-With a power-of-two scale the gradients are exactly those of the autograd path (a power of two
-commutes with rounding); with any other scale the scale is applied before the one rounding of
-``grad_h`` and ``a`` instead of after the GEMM.
-
-Master weights in another dtype than the rows (fp32 weights, bf16 GEMMs: ``compute_dtype``) are
-cast inside the function and their cast kept for backward. Their gradients come back in their own
-dtype, accumulated in fp32 and never rounded to bf16: on CUDA by one Triton kernel over all experts
-(``kernels.grouped_wgrad``, offsets read on the device), or, when the backward has the rows per
-expert on the host (``CountsOnHost``), by one cuBLAS GEMM per expert
-(``segments.segment_weight_grad``), whose input gradients run per expert too (for large experts
-those GEMMs are faster than the grouped ones). Where neither applies (CPU, no Triton) the grouped
-GEMM's gradient is widened to the weights' dtype (``kernels.cast.widen``: the bits of autograd
-through ``w.to(bf16)``).
+Master weights in another dtype than the rows (``compute_dtype``) are cast inside, the cast kept for
+backward. Their gradients come back in their own dtype, accumulated in fp32 and never rounded to
+bf16: on CUDA by one Triton kernel over all experts (``kernels.grouped_wgrad``, no host sync), or,
+with the rows per expert on the host (``CountsOnHost``), by one cuBLAS GEMM per expert
+(``segments.segment_weight_grad``; input gradients per expert too). Elsewhere (CPU, no Triton) the
+grouped GEMM's gradient is widened (``kernels.cast.widen``: the bits of autograd through ``w.to(bf16)``).
 """
 
 from __future__ import annotations
@@ -56,17 +48,12 @@ def grouped_mlp(
     """``y_NH``, differentiable in ``x_NH``, ``w1_LFH`` and ``w2_LHI``; the weights' gradients come
     out multiplied by ``grad_scale``, the input's does not.
 
-    Args:
-        x_NH: rows sorted by expert, in the GEMMs' dtype.
-        offsets_L: int32 inclusive prefix sums of the rows per expert (``grouped_mm``'s ``offs``).
-            Rows past the last offset (a static plan's padding) are left out by the SwiGLU as by
-            the GEMMs: their outputs are unspecified, their input gradients zero or unspecified.
-        w1_LFH: ``[L, 2I, H]``, gate rows then up rows.
-        w2_LHI: ``[L, H, I]``.
-        act_fn: the gate's activation (the fused kernel for SiLU on CUDA).
-        grad_scale: multiplies the weights' gradients.
-        compute_dtype: the GEMMs' dtype when the weights are kept in another (``None``: ``x_NH``'s).
-        backward_counts: the rows per expert for the backward's per-expert GEMMs; ``None``: grouped.
+    ``x_NH``: rows sorted by expert, in the GEMMs' dtype. ``offsets_L``: int32 inclusive prefix sums of
+    the rows per expert (``grouped_mm``'s ``offs``); rows past the last (a static plan's padding) are
+    left out by the SwiGLU as by the GEMMs (outputs unspecified, input gradients zero or unspecified).
+    ``w1_LFH``: ``[L, 2I, H]``, gate rows then up rows; ``w2_LHI``: ``[L, H, I]``. ``compute_dtype``:
+    the GEMMs' dtype when the weights are kept in another (``None``: ``x_NH``'s). ``backward_counts``:
+    the rows per expert for the backward's per-expert GEMMs (``None``: grouped GEMMs).
     """
     dtype = compute_dtype or x_NH.dtype
     return _GroupedMLP.apply(x_NH, offsets_L, w1_LFH, w2_LHI, act_fn, grad_scale, dtype, backward_counts)

@@ -1,13 +1,9 @@
 """One GEMM per expert over consecutive row blocks whose sizes the host knows (large experts, where
-cuBLAS's per-expert GEMMs beat one grouped GEMM): ``segment_linear`` in forward and backward, the
-per-expert GEMMs of a backward (``segment_mm``, ``segment_weight_grad``), and ``CountsOnHost``, a
-layer's counts copied to the host for its backward without waiting for them in the forward.
+cuBLAS's per-expert GEMMs beat one grouped GEMM), and ``CountsOnHost``, a layer's counts copied to
+the host for its backward without waiting for them in the forward. fp32 weight gradients of bf16
+GEMMs are the GEMM's fp32 accumulator, as in Megatron-Core's gradient-accumulation fusion.
 
 Legend: N rows sorted by expert, K input width, F output width, L experts held here.
-
-Weight gradients of fp32 master weights multiplied in bf16 (``compute_dtype``: bf16-mixed with the
-experts outside FSDP2) are written by the GEMM in fp32, from its fp32 accumulator, as Megatron-Core's
-gradient-accumulation fusion does: no bf16 rounding of the gradient and no widening pass over it.
 """
 
 from __future__ import annotations
@@ -26,14 +22,11 @@ def segment_linear(
     grad_scale: float = 1.0,
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``y[rows of e] = x[rows of e] @ w[e].T`` for consecutive row blocks of ``counts[e]`` rows.
-
-    One GEMM per non-empty block, written in place into the output (no split, no ``cat``); in
-    backward one GEMM per block for the input's gradient and one for the weight's, which the
-    GEMM multiplies by ``grad_scale`` (``alpha``) as it writes it. An expert with no rows gets a
-    zero weight gradient. ``compute_dtype``: the dtype the weight is cast to for the GEMMs (``None``:
-    its own); its gradient comes back in the weight's dtype, written so by the GEMM.
-    """
+    """``y[rows of e] = x[rows of e] @ w[e].T`` for consecutive row blocks of ``counts[e]`` rows: one
+    GEMM per non-empty block, written in place (no split, no ``cat``); in backward one per block for the
+    input's gradient and one for the weight's, which the GEMM multiplies by ``grad_scale`` (``alpha``)
+    as it writes it (zero for an expert without rows). ``compute_dtype``: the GEMMs' dtype (``None``:
+    the weight's); the gradient comes back in the weight's dtype, written so by the GEMM."""
     return _SegmentLinear.apply(x_NK, w_LFK, counts, grad_scale, compute_dtype)
 
 

@@ -11,9 +11,6 @@ up columns: ``gate_up_proj [E, H, 2I]`` (column ``2j`` is gate unit ``j``, colum
     h = x @ gate_up_proj[e] + gate_up_proj_bias[e]
     gate, up = min(h[0::2], limit), clamp(h[1::2], -limit, limit)
     y = ((up + 1) * gate * sigmoid(alpha * gate)) @ down_proj[e] + down_proj_bias[e]
-
-The module follows ``GroupedExperts``'s interface: ``forward(x_NH, counts_L, counts_host=None)``, ``num_experts``,
-``grad_scale``, and DTensor weights multiplied through their local shards.
 """
 
 from __future__ import annotations
@@ -34,17 +31,11 @@ class InterleavedGLUExperts(RoutedExperts):
     Face ``GptOssExperts`` module it replaces.
 
     Args:
-        gate_up_proj: ``[E, H, 2I]``, gate and up columns interleaved.
-        gate_up_proj_bias: ``[E, 2I]``, interleaved alike.
-        down_proj: ``[E, I, H]``.
-        down_proj_bias: ``[E, H]``.
+        gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias: as in the module docstring.
         alpha: the sigmoid's slope in the gate (``config.swiglu_alpha``, 1.702).
         limit: the clamp of gate (from above) and up (both sides) (``config.swiglu_limit``, 7.0).
-        use_grouped_mm: as in ``GroupedExperts``: ``None`` picks ``grouped_mm`` whenever it runs,
-            ``False`` forces the per-expert loop, ``True`` requires ``grouped_mm``.
 
-    ``grad_scale`` multiplies every weight's and bias's gradient (``1 / degree`` under expert
-    parallelism) and ``compute_dtype`` casts them for the matmuls, as in ``GroupedExperts``.
+    ``use_grouped_mm``, ``grad_scale`` (on biases too) and ``compute_dtype`` as in ``GroupedExperts``.
     """
 
     def __init__(
@@ -95,56 +86,32 @@ class InterleavedGLUExperts(RoutedExperts):
     def forward(
         self, x_NH: torch.Tensor, counts_L: torch.Tensor, counts_host: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """Run each local expert on its contiguous block of rows.
-
-        Args:
-            x_NH: rows sorted by local expert.
-            counts_L: rows per local expert (int, on any device), summing to ``N`` or less (the rows
-                past them are padding: their outputs are never to be read).
-            counts_host: the same counts as host integers, when the caller has them.
-        Returns:
-            ``[N, H]`` expert outputs, in the order of ``x_NH``.
-        """
+        """Run each local expert on its contiguous block of rows, as ``GroupedExperts.forward``."""
         params = [self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias]
-        return self.run(x_NH, counts_L, params, (0, 2), self._grouped_scaled, self._loop_forward, counts_host)
+        return self.run(x_NH, counts_L, params, (0, 2), self._grouped, self._loop, counts_host)
 
-    def _grouped_scaled(
+    def _grouped(
         self, x_NH: torch.Tensor, counts_L: torch.Tensor, weights: list[torch.Tensor], grad_scale: float
     ) -> torch.Tensor:
-        return with_grad_scale(lambda x, *w: self._grouped_forward(x, counts_L, *w), x_NH, weights, grad_scale)
-
-    def _grouped_forward(
-        self,
-        x_NH: torch.Tensor,
-        counts_L: torch.Tensor,
-        w1_LHF: torch.Tensor,
-        b1_LF: torch.Tensor,
-        w2_LIH: torch.Tensor,
-        b2_LH: torch.Tensor,
-    ) -> torch.Tensor:
         assert GROUPED_MM is not None
-        counts_L = counts_L.to(device=x_NH.device)
-        offsets_L = torch.cumsum(counts_L, dim=0).to(torch.int32)
+        offsets_L = torch.cumsum(counts_L.to(device=x_NH.device), dim=0).to(torch.int32)
         # The expert of every row, by binary search (no host sync); rows past the last offset
         # (a padded dispatch) take the last expert's bias: the GEMMs leave them out anyway.
         expert_N = block_of_rows(offsets_L, torch.arange(x_NH.shape[0], device=x_NH.device, dtype=offsets_L.dtype))
-        h_NF = GROUPED_MM(x_NH, w1_LHF, offs=offsets_L) + b1_LF[expert_N]
-        a_NI = self.glu(h_NF).contiguous()
-        return GROUPED_MM(a_NI, w2_LIH, offs=offsets_L) + b2_LH[expert_N]
 
-    def _loop_forward(
+        def mlp(x_NH: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+            w1_LHF, b1_LF, w2_LIH, b2_LH = weights
+            h_NF = GROUPED_MM(x_NH, w1_LHF, offs=offsets_L) + b1_LF[expert_N]
+            return GROUPED_MM(self.glu(h_NF).contiguous(), w2_LIH, offs=offsets_L) + b2_LH[expert_N]
+
+        return with_grad_scale(mlp, x_NH, weights, grad_scale)
+
+    def _loop(
         self, x_NH: torch.Tensor, counts: list[int], weights: list[torch.Tensor], grad_scale: float
     ) -> torch.Tensor:
-        def run(
-            x_NH: torch.Tensor, w1_LHF: torch.Tensor, b1_LF: torch.Tensor, w2_LIH: torch.Tensor, b2_LH: torch.Tensor
-        ) -> torch.Tensor:
-            # Every expert runs, even on zero rows, so each weight slice is in the graph and gets
-            # a zero gradient rather than none.
-            outputs = []
-            for e, x_nH in enumerate(torch.split(x_NH, counts)):
-                a_nI = self.glu(x_nH @ w1_LHF[e] + b1_LF[e])
-                outputs.append(a_nI @ w2_LIH[e] + b2_LH[e])
-            return torch.cat(outputs, dim=0)
+        # Every expert runs, even on zero rows, so each weight slice gets a zero gradient, not none.
+        def run(x_NH: torch.Tensor, *w: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.expert(x_nH, e, list(w)) for e, x_nH in enumerate(torch.split(x_NH, counts))])
 
         return with_grad_scale(run, x_NH, weights, grad_scale)
 

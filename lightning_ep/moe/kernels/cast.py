@@ -1,17 +1,15 @@
 """``cast_for_compute``: a weight cast to the matmuls' dtype (fp32 master weights, bf16 GEMMs) whose
 backward widens the gradient back with one vectorized Triton kernel on CUDA.
 
-The forward is ``w.to(dtype)``. The backward of that cast, under plain autograd, is
-``grad.to(w.dtype)``: torch runs a widening cast (bf16 to fp32) through its generic copy loop,
-which loads and stores one element at a time and stays well below the memory bandwidth that the
-narrowing cast (vectorized) reaches on the same bytes. Here the widening runs as a Triton kernel
-that streams the gradient in blocks. A widening cast is exact, so both give the same bits; where
-the kernel does not apply (CPU, no Triton, a strided gradient, a traced graph, another pair of
-dtypes) torch's cast runs.
+Under plain autograd the backward of ``w.to(dtype)`` is ``grad.to(w.dtype)``, a widening cast that
+torch runs through its generic copy loop, one element at a time, well below the narrowing cast's
+bandwidth. The kernel streams it in blocks, with the same bits (a widening cast is exact); elsewhere
+(CPU, no Triton, a strided gradient, a traced graph, other dtypes) torch's cast runs.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -24,10 +22,8 @@ _NARROW = (torch.bfloat16, torch.float16)
 
 def cast_for_compute(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``w.to(dtype)`` under autograd; the gradient comes back in ``w.dtype`` (see the module docstring)."""
-    if w.dtype == dtype:
-        return w
-    if torch.compiler.is_compiling() or not w.requires_grad or not torch.is_grad_enabled():
-        return w.to(dtype)
+    if w.dtype == dtype or torch.compiler.is_compiling() or not w.requires_grad or not torch.is_grad_enabled():
+        return w.to(dtype)  # ``w`` itself when already in ``dtype``
     return _CastForCompute.apply(w, dtype)
 
 
@@ -68,10 +64,7 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         mask = offs < count
         tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask).to(tl.float32), mask=mask)
 
-    class Kernels:
-        widen = widen_kernel
-
-    return Kernels
+    return types.SimpleNamespace(widen=widen_kernel)
 
 
 _triton = lazy_kernels(_build_kernels)

@@ -3,21 +3,17 @@ of e]``, written in fp32 by one Triton kernel.
 
 Legend: N rows sorted by group, M and K the two operands' widths, L groups.
 
-Why: fp32 master weights with bf16 GEMMs need their gradients in fp32. ``torch._grouped_mm``
-writes the bf16/fp16 dtype of its operands only, so the gradient is rounded to bf16 and then widened
-by a second pass (read 2 bytes, write 4 per element) before the optimizer reads it. This kernel
-accumulates each ``[M, K]`` block in fp32 over the group's rows (tensor cores, fp32 accumulators)
-and stores the accumulator as it is: one write of 4 bytes per element, and a gradient without the
-bf16 rounding (the same contract as ``segments.segment_weight_grad``, one cuBLAS GEMM per group
-with ``out_dtype=float32``, which needs the rows per group on the host; this one reads the offsets
-on the device and makes no host sync).
-
-One program per ``(output tile, group)``; a group's tiles run together, so its rows are read from
-L2. Rows past the last offset are never read; a group without rows gets zeros.
+Why: ``torch._grouped_mm`` writes only its operands' dtype, so fp32 master weights with bf16 GEMMs
+get a gradient rounded to bf16 and widened by a second pass. This kernel stores each ``[M, K]``
+block's fp32 accumulator as it is (no bf16 rounding, one 4-byte write per element), as
+``segments.segment_weight_grad`` does, but with the offsets read on the device (no host sync). One
+program per ``(output tile, group)``; a group's tiles run together, so its rows are read from L2.
+Rows past the last offset are never read; a group without rows gets zeros.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -25,18 +21,15 @@ import torch
 from lightning_ep.moe.kernels.lazy_triton import lazy_kernels
 
 _NARROW = (torch.bfloat16, torch.float16)
-# Tile sizes and pipeline depth (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), the fastest of 25 swept
-# on an H200 for the benchmarks' fine experts ([1536, 2048] and [2048, 768] blocks, about 512 rows
-# each) and coarse ones ([28672, 4096] and [4096, 14336], about 2,048 rows): wider tiles from
-# LARGE_BLOCK elements per expert on.
+# Tile sizes and pipeline depth (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), tuned on the benchmarks'
+# fine and coarse experts: wider tiles from LARGE_BLOCK elements per expert on.
 CONFIG = (128, 128, 64, 4, 3)
 LARGE_CONFIG = (128, 256, 64, 8, 3)
 LARGE_BLOCK = 1 << 25
 
 
 def grouped_weight_grad_available(g_NM: torch.Tensor, b_NK: torch.Tensor) -> bool:
-    """Whether the kernel runs for these operands: CUDA, bf16 or fp16 of one dtype, rows contiguous,
-    Triton importable, and not inside a graph that ``torch.compile`` traces."""
+    """Whether the kernel runs: CUDA, one bf16/fp16 dtype, rows contiguous, Triton, not ``torch.compile``-traced."""
     return (
         g_NM.is_cuda
         and g_NM.dtype in _NARROW
@@ -51,9 +44,8 @@ def grouped_weight_grad_available(g_NM: torch.Tensor, b_NK: torch.Tensor) -> boo
 def grouped_weight_grad(
     g_NM: torch.Tensor, b_NK: torch.Tensor, offsets_L: torch.Tensor, config: tuple[int, ...] | None = None
 ) -> torch.Tensor:
-    """``[L, M, K]`` fp32: ``out[e] = g_NM[s:t].T @ b_NK[s:t]`` for group ``e``'s rows ``s:t``
-    (``offsets_L``: int32 inclusive prefix sums, ``torch._grouped_mm``'s ``offs``), accumulated and
-    stored in fp32. The caller checks ``grouped_weight_grad_available``. ``config``: the kernel's
+    """``[L, M, K]`` fp32: ``out[e] = g_NM[s:t].T @ b_NK[s:t]`` for group ``e``'s rows ``s:t`` (``offsets_L``:
+    ``torch._grouped_mm``'s int32 ``offs``), if ``grouped_weight_grad_available``. ``config``: the kernel's
     ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)``; ``None`` picks by the block's size."""
     groups, width_m, width_k = offsets_L.shape[0], g_NM.shape[1], b_NK.shape[1]
     if config is None:
@@ -107,10 +99,7 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
         target = out_ptr + e.to(tl.int64) * M * K + cols_m[:, None].to(tl.int64) * K + cols_n[None, :]
         tl.store(target, acc, mask=in_m[:, None] & in_n[None, :])
 
-    class Kernels:
-        kernel = grouped_wgrad
-
-    return Kernels
+    return types.SimpleNamespace(kernel=grouped_wgrad)
 
 
 _triton = lazy_kernels(_build_kernels)

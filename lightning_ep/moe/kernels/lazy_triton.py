@@ -9,11 +9,8 @@ from typing import Any
 
 
 def lazy_kernels(build: Callable[[Any, Any], Any]) -> Callable[[], Any]:
-    """A cached ``() -> build(triton, triton.language)``, or ``() -> None`` without Triton.
-
-    Kernel modules define ``build`` (the ``@triton.jit`` functions inside it, so that importing the
-    module never imports Triton) and call the returned function where they launch.
-    """
+    """A cached ``() -> build(triton, triton.language)``, or ``() -> None`` without Triton. ``build``
+    holds the ``@triton.jit`` functions, so that importing a kernel module never imports Triton."""
 
     @functools.cache
     def kernels() -> Any:

@@ -2,29 +2,20 @@
 
 Legend: T tokens, E experts, B row blocks of ``BLOCK_T`` tokens, G programs.
 
-``router.sinkhorn_log`` in torch launches about a dozen small kernels per iteration (two
-log-sum-exps with their maxima, sums, exponentials and logarithms), some 360 launches for the default
-30 iterations of every MoE layer's forward, which on a fine-grained model costs more host time than
-the layer's grouped GEMMs. Here the whole of it is one cooperative launch of ``G <= B`` programs,
-all resident on the GPU at once (the driver guarantees it or refuses the launch), each owning the row
-blocks ``g, g + G, ...``. Every iteration:
+``router.sinkhorn_log`` in torch launches about a dozen small kernels per iteration, which on a
+fine-grained model costs more host time than the layer's grouped GEMMs. Here it is one cooperative
+launch of ``G <= B`` programs, all resident on the GPU at once (the driver guarantees it or refuses
+the launch), each owning the row blocks ``g, g + G, ...``. Every iteration, each program combines
+the column partials ``(max, sum of exp)`` that every block wrote in the previous one into the column
+scaling ``log v_E = log(T / E) - logsumexp_t(l + log u)``, rescales the rows of its blocks,
+``log u_t = -logsumexp_e(l_te + log v_e)``, writes their column partials of ``l + log u`` (two
+buffers, alternating), and waits at a grid barrier (one atomic increment of a counter, plain loads
+of it until it is full, one acquiring atomic read).
 
-1. each program combines the column partials ``(max, sum of exp)`` that every block wrote in the
-   previous iteration (8,192 or 16,384 of them per load) into the column scaling
-   ``log v_E = log(T / E) - logsumexp_t(l + log u)``;
-2. for each of its blocks it rescales the rows, ``log u_t = -logsumexp_e(l_te + log v_e)``, and writes
-   the block's column partials of ``l + log u`` (two buffers, alternating by iteration);
-3. it waits at a grid barrier until every program has written its partials: one atomic increment
-   of a counter, then plain loads of it until it is full, then one acquiring atomic read.
-
-A last pass combines the final partials and writes ``l + log u + log v``. Padded rows (a mask, as
-``router.sinkhorn_log`` takes it) keep ``log u = -inf``, so they drop out of every column sum, and
-the columns then target ``N / E`` for the ``N`` real tokens, a scalar the kernel reads on the device.
-The same log-domain arithmetic as the torch version, in another order: the results agree to fp32
-rounding. Blocks are of 8,192 elements (64 rows of 128 experts) where that makes at most one block per
-multiprocessor, else of 16,384. A program that owns one block (``B <= G``: up to 8192 x 128 on a
-GPU of 128 or more multiprocessors) keeps its logits and ``log u`` in registers across the
-iterations; with more blocks they are read again from L2 (``T x E`` fp32, 4 MiB at 8192 x 128) every
+A last pass writes ``l + log u + log v``. Padded rows keep ``log u = -inf``, out of every column sum,
+and the columns then target ``N / E`` for the ``N`` real tokens. The torch version's log-domain
+arithmetic in another order: the results agree to fp32 rounding. A program that owns one block
+(``B <= G``) keeps its logits and ``log u`` in registers, else they are read again from L2 every
 iteration. The host launches once and reads nothing back.
 """
 
@@ -143,10 +134,9 @@ _triton = lazy_kernels(_build)
 
 
 def fused_sinkhorn_available(logits_TE: torch.Tensor) -> bool:
-    """Whether the Triton kernels run for ``logits_TE``: fp32 on CUDA with Triton importable. Under
-    ``torch.compile`` too: the launch is the custom operator ``lightning_ep::sinkhorn_log``, which
-    Inductor calls as it is instead of tracing the torch version's iterations (some 60 kernels per
-    layer, each launched by the host)."""
+    """Whether the Triton kernels run for ``logits_TE``: fp32 on CUDA with Triton importable; under
+    ``torch.compile`` too, as the custom operator ``lightning_ep::sinkhorn_log`` that Inductor calls
+    instead of tracing the torch version's iterations."""
     return logits_TE.is_cuda and logits_TE.dtype == torch.float32 and _TRITON
 
 
@@ -157,17 +147,10 @@ _TRITON = importlib.util.find_spec("triton") is not None
 def sinkhorn_log_fused(
     logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor | None = None, *, programs: int | None = None
 ) -> torch.Tensor:
-    """``router.sinkhorn_log(logits_TE, iterations, valid_T)`` in one kernel launch.
-
-    Args:
-        logits_TE: fp32 ``[T, E]`` on CUDA (or on CPU under Triton's interpreter), ``T >= 1``.
-        iterations: row + column rescalings, at least 1.
-        valid_T: bool ``[T]``, ``False`` at padded positions (``router.sinkhorn_log``'s mask), or ``None``.
-        programs: how many programs share the row blocks (default: one per block, at most one per
-            streaming multiprocessor); under Triton's CPU interpreter, which runs programs one after
-            another, it must be 1.
-    Returns:
-        ``[T, E]`` fp32 log-scores (a new tensor; no gradient).
+    """``router.sinkhorn_log(logits_TE, iterations, valid_T)`` in one kernel launch: fp32 ``[T, E]``
+    logits on CUDA (or on CPU under Triton's interpreter), ``T >= 1``, ``iterations >= 1`` -> a new
+    ``[T, E]`` fp32 tensor of log-scores (no gradient). ``programs``: how many programs share the row
+    blocks (default: one per block, at most one per multiprocessor); 1 under Triton's interpreter.
     """
     return _sinkhorn_op(logits_TE.detach(), iterations, valid_T, 0 if programs is None else programs)
 
@@ -175,7 +158,6 @@ def sinkhorn_log_fused(
 @torch.library.custom_op("lightning_ep::sinkhorn_log", mutates_args=())
 def _sinkhorn_op(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor | None, programs: int) -> torch.Tensor:
     """The launch (``programs`` 0: the default count), an operator that ``torch.compile`` keeps whole."""
-    kernels = _triton()
     logits_TE = logits_TE.contiguous()
     num_tokens, num_experts = logits_TE.shape
     block_e = triton_next_power_of_2(num_experts)
@@ -198,7 +180,7 @@ def _sinkhorn_op(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor
     else:  # the torch version's column target, log(N / E) with N the real tokens, on the device
         valid = valid_T.contiguous().to(torch.int8)
         real_target = torch.log(valid_T.sum().clamp_min(1).to(torch.float32) / num_experts).reshape(1)
-    kernels.sinkhorn[(programs,)](
+    _triton().sinkhorn[(programs,)](
         logits_TE, log_u, partials[0], partials[1], out, counter, num_tokens, num_experts, blocks,
         math.log(num_tokens / num_experts), valid, real_target,
         ITERATIONS=iterations, BLOCK_T=block_t, BLOCK_E=block_e, CHUNK=chunk,

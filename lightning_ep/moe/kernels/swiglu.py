@@ -3,17 +3,15 @@
 Legend: N rows, I expert width, F = 2I (gate columns first, then up columns, as Hugging Face
 stacks ``gate_up_proj``).
 
-Two implementations with one contract (``swiglu``):
-
-- a fused Triton kernel on CUDA: forward reads ``h`` once and writes ``a``; backward reads ``h``
-  and the gradient once and writes ``grad_h`` (no saved ``silu(gate)``, no ``cat`` of the halves);
-  every value is computed in fp32 and rounded once;
-- the torch expression ``act_fn(gate) * up`` under autograd elsewhere, the reference the kernel is
-  tested against.
+On CUDA a fused Triton kernel: forward reads ``h`` once and writes ``a``; backward reads ``h`` and
+the gradient once and writes ``grad_h`` (no saved ``silu(gate)``, no ``cat`` of the halves), every
+value computed in fp32 and rounded once. Elsewhere the torch expression ``act_fn(gate) * up`` under
+autograd, the reference the kernel is tested against.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -43,10 +41,9 @@ def swiglu(
 ) -> torch.Tensor:
     """``act_fn(h[:, :I]) * h[:, I:]``; the fused kernel when ``act_fn`` is SiLU on CUDA.
 
-    ``rows``: a one-element integer tensor on ``h``'s device; the fused kernel then leaves the rows
-    at or past ``rows[0]`` out (their outputs, here and in the backward, are unspecified), without a
-    host sync. The grouped GEMMs pass their last offset: past it are a static plan's padding rows,
-    which no GEMM reads or writes either.
+    ``rows``: a one-element integer tensor on ``h``'s device; the fused kernel then leaves the rows at
+    or past ``rows[0]`` out (outputs unspecified, here and in backward), without a host sync: the
+    grouped GEMMs pass their last offset, past which are a static plan's padding rows.
     """
     if is_silu(act_fn) and fused_swiglu_available(h_NF):
         return _FusedSwiGLU.apply(h_NF, rows)
@@ -61,32 +58,12 @@ def swiglu_backward(
     scale: float,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of ``a = swiglu(h)`` for a caller that multiplies weight gradients by ``scale``.
-
-    Returns ``grad_h`` (``[N, F]``), ``scale * grad_h`` and ``scale * a`` (``[N, I]``, ``a``
-    recomputed from ``h``), each computed in fp32 (the kernel) and rounded once; with ``scale == 1``
-    the second and third are ``grad_h`` and ``a``. The fused kernel for SiLU on CUDA, ``act_fn``
-    under autograd on a copy of ``h`` elsewhere. ``rows``: as in ``swiglu``.
-    """
+    """The backward of ``a = swiglu(h)`` for a caller that multiplies weight gradients by ``scale``:
+    ``grad_h`` (``[N, F]``), ``scale * grad_h`` and ``scale * a`` (``[N, I]``, ``a`` recomputed from
+    ``h``), each computed in fp32 (the kernel) and rounded once; with ``scale == 1`` the second and
+    third are ``grad_h`` and ``a``. ``rows``: as in ``swiglu``."""
     if is_silu(act_fn) and fused_swiglu_available(h_NF):
-        kernels = _triton()
-        h_NF, grad_NI = h_NF.contiguous(), grad_NI.contiguous()
-        count, width = h_NF.shape[0], h_NF.shape[1] // 2
-        grad_NF = torch.empty_like(h_NF)
-        scaled = scale != 1.0
-        scaled_NF = torch.empty_like(h_NF) if scaled else grad_NF
-        a_NI = h_NF.new_empty((count, width))
-        if count:
-            grid = (count, -(-width // _BLOCK))
-            kernels.backward[grid](
-                *(h_NF, grad_NI, grad_NF, scaled_NF, a_NI, scale, _limit(rows, h_NF)),
-                I=width,
-                BLOCK=_BLOCK,
-                WRITE_A=True,
-                SCALED=scaled,
-                LIMITED=rows is not None,
-            )
-        return grad_NF, scaled_NF, a_NI
+        return _fused_backward(h_NF, grad_NI, rows, scale, write_a=True)
     with torch.enable_grad():
         h = h_NF.detach().requires_grad_(True)
         gate_NI, up_NI = h.chunk(2, dim=-1)
@@ -101,12 +78,11 @@ def swiglu_backward(
 class _FusedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h_NF: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        kernels = _triton()
         h_NF = h_NF.contiguous()
         count, width = h_NF.shape[0], h_NF.shape[1] // 2
         a_NI = h_NF.new_empty((count, width))
         if count:
-            kernels.forward[(count, -(-width // _BLOCK))](
+            _triton().forward[(count, -(-width // _BLOCK))](
                 h_NF, a_NI, _limit(rows, h_NF), I=width, BLOCK=_BLOCK, LIMITED=rows is not None
             )
         ctx.save_for_backward(h_NF)
@@ -115,21 +91,31 @@ class _FusedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_NI: torch.Tensor) -> tuple[Any, ...]:
-        kernels = _triton()
         (h_NF,) = ctx.saved_tensors
-        count, width = h_NF.shape[0], h_NF.shape[1] // 2
-        grad_NI = grad_NI.contiguous()
-        grad_NF = torch.empty_like(h_NF)
-        if count:
-            kernels.backward[(count, -(-width // _BLOCK))](
-                *(h_NF, grad_NI, grad_NF, grad_NF, h_NF, 1.0, _limit(ctx.rows, h_NF)),
-                I=width,
-                BLOCK=_BLOCK,
-                WRITE_A=False,
-                SCALED=False,
-                LIMITED=ctx.rows is not None,
-            )
-        return grad_NF, None
+        return _fused_backward(h_NF, grad_NI, ctx.rows)[0], None
+
+
+def _fused_backward(
+    h_NF: torch.Tensor, grad_NI: torch.Tensor, rows: torch.Tensor | None, scale: float = 1.0, write_a: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernel: ``grad_h``, ``scale * grad_h`` (``grad_h`` itself when ``scale == 1``) and,
+    with ``write_a``, ``scale * a`` (else ``h_NF``, not written)."""
+    h_NF, grad_NI = h_NF.contiguous(), grad_NI.contiguous()
+    count, width = h_NF.shape[0], h_NF.shape[1] // 2
+    grad_NF = torch.empty_like(h_NF)
+    scaled = scale != 1.0
+    scaled_NF = torch.empty_like(h_NF) if scaled else grad_NF
+    a_NI = h_NF.new_empty((count, width)) if write_a else h_NF
+    if count:
+        _triton().backward[(count, -(-width // _BLOCK))](
+            *(h_NF, grad_NI, grad_NF, scaled_NF, a_NI, scale, _limit(rows, h_NF)),
+            I=width,
+            BLOCK=_BLOCK,
+            WRITE_A=write_a,
+            SCALED=scaled,
+            LIMITED=rows is not None,
+        )
+    return grad_NF, scaled_NF, a_NI
 
 
 def _limit(rows: torch.Tensor | None, h_NF: torch.Tensor) -> torch.Tensor:
@@ -197,11 +183,7 @@ def _build_kernels(triton: Any, tl: Any) -> Any:
                 a = a * scale
             tl.store(sa_ptr + n * I + offs, a.to(sa_ptr.dtype.element_ty), mask=mask)
 
-    class Kernels:
-        forward = swiglu_forward
-        backward = swiglu_backward
-
-    return Kernels
+    return types.SimpleNamespace(forward=swiglu_forward, backward=swiglu_backward)
 
 
 _triton = lazy_kernels(_build_kernels)

@@ -15,20 +15,16 @@ def load_balancing_loss(
 ) -> torch.Tensor:
     """Load-balancing loss ``E * sum_i f_i * P_i`` of one layer, as SMP v2 and Megatron-Core define it.
 
-    ``f_i`` is the fraction of the routed (token, expert) pairs that went to expert ``i``: its count
-    divided by ``T * K``, so the ``f_i`` sum to 1; ``P_i`` is the mean router probability of expert
-    ``i``. Perfectly even routing gives 1 whatever the probabilities. Megatron-Core's
-    ``switch_load_balancing_loss_func`` computes exactly this (before its coefficient), and
-    ``transformers``' ``load_balancing_loss_func`` on this layer's logits alone is ``K`` times it
-    (its ``f_i`` sum to ``K``). Gradients flow through ``P`` only.
+    ``f_i``: the fraction of the routed (token, expert) pairs that went to expert ``i`` (its count over
+    ``T * K``: the ``f_i`` sum to 1); ``P_i``: the mean router probability of expert ``i``. Even routing
+    gives 1 whatever the probabilities. Megatron-Core's ``switch_load_balancing_loss_func`` computes
+    exactly this (before its coefficient); ``transformers``' ``load_balancing_loss_func`` on this
+    layer's logits alone is ``K`` times it (its ``f_i`` sum to ``K``). Gradients flow through ``P`` only.
 
-    Args:
-        probs_TE: softmax of the router logits, ``[T, E]``, float.
-        expert_ids_TK: chosen experts, ``[T, K]``, int64.
-        valid_T: bool ``[T]``, ``False`` at padded positions, which then count neither in ``f`` nor
-            in ``P`` (``T`` becomes the number of real tokens); ``None``: every token is real.
-    Returns:
-        0-dim tensor in the dtype of ``probs_TE``; 0 when there is no real token.
+    ``probs_TE``: float ``[T, E]`` router probabilities; ``expert_ids_TK``: int64 ``[T, K]`` choices;
+    ``valid_T``: bool ``[T]``, ``False`` at padded positions, which count neither in ``f`` nor in ``P``
+    (``T`` becomes the number of real tokens). Returns a 0-dim tensor in ``probs_TE``'s dtype, 0
+    without a real token.
     """
     num_tokens, num_experts = probs_TE.shape
     top_k = expert_ids_TK.shape[1]
@@ -50,15 +46,10 @@ def load_balancing_loss(
 def z_loss(
     logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None, weight_T: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Router z-loss ``mean_t(logsumexp(logits_t)^2)`` (ST-MoE): keeps router logits small.
-
-    Args:
-        logits_TE: router logits.
-        valid_T: bool ``[T]``: the mean runs over real tokens only; 0 when there is none.
-        weight_T: a per-token weight of each token's term (the sum is still divided by the number of
-            tokens): the token shuffle gives a token that came from a rank with ``T_s`` tokens the
-            weight ``T / T_s``, its weight in that rank's own mean.
-    """
+    """Router z-loss ``mean_t(logsumexp(logits_t)^2)`` (ST-MoE): keeps router logits small. The mean
+    runs over the real tokens of ``valid_T`` (0 without one). ``weight_T`` weighs each token's term (the
+    sum still divided by the number of tokens): the token shuffle gives a token from a rank with ``T_s``
+    tokens the weight ``T / T_s``, its weight in that rank's own mean."""
     squares_T = torch.logsumexp(logits_TE, dim=-1).square()
     if weight_T is not None:
         squares_T = squares_T * weight_T.to(squares_T.dtype)
@@ -70,11 +61,8 @@ def z_loss(
 
 
 class _AttachLosses(torch.autograd.Function):
-    """Identity on ``x``; in backward, gives each attached loss the gradient ``weight``.
-
-    This is how the router losses reach the gradients without the user adding them to the loss:
-    whenever a gradient flows back through the layer output, ``d(total)/d(loss_i) = weight_i``.
-    """
+    """Identity on ``x``; in backward, gives each attached loss the gradient ``weight``: the router
+    losses reach the gradients without the user adding them to the loss."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weights: tuple[float, ...], *losses: torch.Tensor) -> torch.Tensor:
@@ -92,10 +80,8 @@ class _AttachLosses(torch.autograd.Function):
 
 
 def attach_losses(x: torch.Tensor, losses: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """Return ``x`` unchanged, with ``sum_i weights[i] * losses[i]`` added to what backward differentiates.
-
-    Losses that do not require grad, or whose weight is 0, are skipped.
-    """
+    """Return ``x`` unchanged, with ``sum_i weights[i] * losses[i]`` added to what backward differentiates
+    (losses that do not require grad, or whose weight is 0, are skipped)."""
     kept = [(loss, w) for loss, w in zip(losses, weights, strict=True) if w != 0 and loss.requires_grad]
     if not kept or not torch.is_grad_enabled():
         return x

@@ -18,13 +18,9 @@ _MASK = (1 << 63) - 1
 
 
 def in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. activation checkpointing recomputes).
-
-    Always ``False`` in code traced by ``torch.compile``: a traced forward is never re-run by
-    autograd's backward (a compiled graph's recomputation is part of the compiled backward)."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
+    """True while autograd runs a backward pass (e.g. activation checkpointing recomputes); never in
+    code traced by ``torch.compile``, whose recomputation is part of the compiled backward."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 class DrawCounter:
@@ -44,13 +40,6 @@ class DrawCounter:
         return draw_id
 
 
-def make_generator(seed: int, stream: int, device: torch.device) -> torch.Generator:
-    """A generator on ``device`` seeded from ``(seed, stream)``; equal inputs give equal streams."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(((seed * _MIX) ^ (stream * 0x2545F4914F6CDD1D + 1)) & _MASK)
-    return generator
-
-
 _JITTER_STREAM = 0
 _SHUFFLE_STREAM = 1
 
@@ -58,10 +47,13 @@ _SHUFFLE_STREAM = 1
 def layer_generator(
     seed: int, ep_rank: int, layer_index: int, draw_id: int, device: torch.device, *, shared: bool
 ) -> torch.Generator:
-    """The generator of one MoE layer's draw ``draw_id``: the token shuffle's (``shared``: the same on
-    every rank of the expert-parallel group) or the router jitter's (one stream per rank)."""
-    stream = _SHUFFLE_STREAM if shared else _JITTER_STREAM
-    return make_generator(seed + (0 if shared else ep_rank), (draw_id * 1024 + layer_index) * 4 + stream, device)
+    """The generator on ``device`` of one MoE layer's draw ``draw_id``: the token shuffle's (``shared``:
+    the same on every rank of the expert-parallel group) or the router jitter's (one stream per rank)."""
+    stream = (draw_id * 1024 + layer_index) * 4 + (_SHUFFLE_STREAM if shared else _JITTER_STREAM)
+    seed = seed if shared else seed + ep_rank
+    generator = torch.Generator(device=device)
+    generator.manual_seed(((seed * _MIX) ^ (stream * 0x2545F4914F6CDD1D + 1)) & _MASK)
+    return generator
 
 
 def jitter_factors(x_TH: torch.Tensor, noise: float, generator: torch.Generator) -> torch.Tensor:

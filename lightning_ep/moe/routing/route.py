@@ -1,7 +1,6 @@
-"""One MoE layer's routing with everything kept of it: the choices, the combine weights, the
-load-balancing and z-losses, the router entropy and the finiteness of the logits, in one pure
-function (``route``) that ``MoELayer.compile_routing`` compiles whole; and ``RouterLogits``, the tap
-through which Hugging Face's ``output_router_logits`` records them.
+"""One MoE layer's routing with everything kept of it (``RouterStats``), in one pure function
+(``route``) that ``MoELayer.compile_routing`` compiles whole; and ``RouterLogits``, the tap through
+which Hugging Face's ``output_router_logits`` records the logits.
 
 Legend: T tokens, H hidden size, E experts, K experts per token.
 """
@@ -20,9 +19,7 @@ from lightning_ep.moe.routing.router import TopKRouter
 class RouterStats(NamedTuple):
     """What the layer keeps of one routing: the load-balancing and z-losses (0-dim, with grad), the
     router entropy (0-dim, detached), when checked whether every router logit is finite, the selection
-    gap (0-dim, detached: the fraction of real tokens whose training ``"sinkhorn"`` choice differs from
-    the plain top-k that inference picks; 0 in every other case), and the router logits ``[T, E]``
-    themselves (with grad; see ``MoELayer.router_logits``)."""
+    gap (``selection_gap``) and the router logits ``[T, E]`` (with grad; ``MoELayer.router_logits``)."""
 
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
@@ -34,9 +31,8 @@ class RouterStats(NamedTuple):
 
 class RouterLogits(nn.Module):
     """The identity on a layer's ``[T, E]`` router logits (one row per position of the layer's input,
-    zeros at padded positions, the shuffle undone). The layer holds it outside its children (no state,
-    and the children stay the Hugging Face block's) and calls it only while it has forward hooks:
-    Hugging Face's ``output_router_logits`` records router logits with one (``models.hf_compat``)."""
+    zeros at padded positions, the shuffle undone), held outside the layer's children and called only
+    while it has forward hooks: Hugging Face's ``output_router_logits`` records with one (``hf_compat``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,17 +54,13 @@ def route(
     valid_T: torch.Tensor | None = None,
     z_weight_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
-    """Route ``x_TH`` and compute the statistics kept of it, in one pure function (so that
-    ``MoELayer.compile_routing`` compiles it whole).
+    """Route ``x_TH``: ``expert_ids_TK`` (int64), ``weights_TK`` (router dtype) and the ``RouterStats``.
 
     ``valid_T`` (bool, ``False`` at padded tokens, whose rows are zero): padded tokens take no part
     in the losses, the entropy and Sinkhorn, get combine weight 0, and are spread over the experts
     (token ``t``'s ``k``-th choice is expert ``(t * K + k) % E``, whatever its content), so that
     their content changes nothing and they load no expert more than another. ``z_weight_T``: each
     token's weight in the z-loss (see ``losses.z_loss``).
-
-    Returns:
-        ``expert_ids_TK`` (int64), ``weights_TK`` (router dtype) and the ``RouterStats``.
     """
     routing = gate(x_TH, valid_T)
     probs_TE, expert_ids_TK, weights_TK = routing.probs_TE, routing.expert_ids_TK, routing.weights_TK
@@ -80,19 +72,18 @@ def route(
     aux = load_balancing_loss(probs_TE, expert_ids_TK, valid_T)
     zl = z_loss(routing.logits_TE, valid_T, z_weight_T)
     entropy = mean_entropy(probs_TE.detach(), valid_T)
-    finite = torch.isfinite(routing.logits_TE.detach()).all() if check_finite else None
+    finite = all_finite(routing.logits_TE) if check_finite else None
     gap = selection_gap(routing.differs_T, valid_T, routing.logits_TE)
     return expert_ids_TK, weights_TK, RouterStats(aux, zl, entropy, finite, gap, routing.logits_TE)
 
 
 def selection_gap(differs_T: torch.Tensor | None, valid_T: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """0-dim fp32: the fraction of real tokens whose chosen experts differ from inference's (0 without
-    ``differs_T``, and for a rank without tokens)."""
+    """0-dim fp32, detached: the fraction of real tokens whose training ``"sinkhorn"`` choice differs
+    from the plain top-k that inference picks (0 without ``differs_T``, and for a rank without tokens)."""
     if differs_T is None:
         return torch.zeros((), dtype=torch.float32, device=like.device)
     if valid_T is not None:
-        differs_T = differs_T & valid_T
-        return differs_T.sum().float() / valid_T.sum().clamp_min(1).float()
+        return (differs_T & valid_T).sum().float() / valid_T.sum().clamp_min(1).float()
     return differs_T.sum().float() / max(differs_T.shape[0], 1)
 
 

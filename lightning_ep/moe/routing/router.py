@@ -4,46 +4,38 @@ Legend: T tokens, H hidden size, E experts, K experts per token, G expert groups
 
 Scoring (fixed by the model family, see ``lightning_ep.models``):
 
-- ``"softmax"``: scores are the softmax over the experts, the combine weights are the chosen
-  scores, renormalised to sum to one if ``normalize_weights`` (Mixtral, Qwen-MoE, OLMoE).
-- ``"sigmoid"``: scores are ``sigmoid(logits)``; an optional ``e_score_correction_bias`` is added
-  to them for *selection only*; selection may be group-limited (the ``topk_group`` best of
-  ``n_group`` groups, a group scored by the sum of its two best scores); the weights are the
-  unbiased chosen scores, renormalised if ``normalize_weights``, times ``scaling_factor``
-  (DeepSeek-V3, GLM-4-MoE).
-- ``"topk_softmax"``: top-k of the logits (which may carry a ``bias``), then the softmax over the
-  ``K`` chosen logits (GPT-OSS).
+- ``"softmax"`` (Mixtral, Qwen-MoE, OLMoE): scores are the softmax over the experts; the combine
+  weights are the chosen scores, renormalised to sum to one if ``normalize_weights``.
+- ``"sigmoid"`` (DeepSeek-V3, GLM-4-MoE): scores are ``sigmoid(logits)``; selection may add an
+  ``e_score_correction_bias`` and be group-limited (``group_limited``); the weights are the unbiased
+  chosen scores, renormalised if ``normalize_weights``, times ``scaling_factor``.
+- ``"topk_softmax"`` (GPT-OSS): top-k of the logits (which may carry a ``bias``), then the softmax
+  over the ``K`` chosen logits.
 
 Balancing modes (``MoEConfig.moe_load_balancing``):
 
-- ``"none"`` / ``"aux_loss"``: top-k of the scores, exactly the Hugging Face router (Mixtral's
-  ``MixtralTopKRouter`` for softmax scoring). ``"aux_loss"`` additionally yields the
-  load-balancing loss (the layer attaches it to the gradients).
-- ``"sinkhorn"``: in training, experts are chosen by top-k of the Sinkhorn-normalised scores (a
-  fixed number of iterations towards a token x expert matrix whose rows sum to 1 and whose
-  columns sum to ``T / E``), which spreads tokens evenly without any loss term; the combine
-  weights still come from the scores of the raw logits, and a score-correction bias is not used
-  for this selection. In eval it routes like ``"none"``.
-- ``"balanced"``: auxiliary-loss-free balancing (DeepSeek-V3). A per-expert bias ``b`` is added to
-  the scores for *selection only*; combine weights come from the unbiased scores. The bias is the
-  model's own ``e_score_correction_bias`` where it has one (DeepSeek-V3, GLM-4-MoE: same tensor,
-  same state-dict key), else this library's ``expert_bias`` buffer. The layer counts the tokens
-  each expert received during training forwards (not during activation recomputation, so
-  checkpointing and gradient accumulation do not double count), and ``update_bias`` moves ``b_e``
-  by ``rate * sign(mean_load - load_e)`` once per optimizer step. The bias is used in training and
-  in eval: it is part of the trained model. In the other modes a model's own correction bias is
-  used for selection as the model does, and never updated.
+- ``"none"`` / ``"aux_loss"``: top-k of the scores, exactly the Hugging Face router; ``"aux_loss"``
+  also yields the load-balancing loss.
+- ``"sinkhorn"``: in training, top-k of the Sinkhorn-normalised logits (``sinkhorn_log``, no
+  correction bias), which spreads tokens evenly without any loss term; the combine weights still come
+  from the raw scores. In eval it routes like ``"none"``.
+- ``"balanced"`` (DeepSeek-V3's auxiliary-loss-free balancing): a per-expert bias ``b`` is added to
+  the scores for selection only, the model's own ``e_score_correction_bias`` where it has one, else
+  this library's ``expert_bias`` buffer. The layer counts the tokens each expert received in training
+  forwards (not in activation recomputation: nothing counted twice), and ``update_bias`` moves ``b_e``
+  by ``rate * sign(mean_load - load_e)`` once per optimizer step; the bias is part of the trained
+  model. In the other modes a model's own correction bias selects as the model does, never updated.
 
 A router is frozen (``TopKRouter.frozen``) when none of its parameters requires grad
-(``lightning_ep.freeze_routers``, or a PEFT model whose routers are not trained). Routing is
-unchanged; its layer still computes and reports the losses but attaches none to the gradients (they
-would push the hidden states towards a balance the router cannot learn), and its ``"balanced"``
-bias counts no load, so it stays where it is.
+(``lightning_ep.freeze_routers``, or a PEFT model whose routers are not trained): routing is
+unchanged, and its layer reports the losses but attaches none to the gradients (they would push the
+hidden states towards a balance the router cannot learn); its ``"balanced"`` bias counts no load.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -64,12 +56,9 @@ class Routing:
 
     Attributes:
         logits_TE: raw router logits in the router dtype (fp32 or fp64), router bias included.
-        probs_TE: a distribution over the experts per token, what the load-balancing loss and the
-            router entropy read: the softmax of ``logits_TE`` (``"softmax"``, ``"topk_softmax"``),
-            or the sigmoid scores divided by their sum (``"sigmoid"``, as DeepSeek-V3's
-            sequence-wise balance loss).
-        expert_ids_TK: chosen global expert ids, int64.
-        weights_TK: combine weights in the router dtype.
+        probs_TE: what the load-balancing loss and the router entropy read: the softmax of ``logits_TE``,
+            or for ``"sigmoid"`` the scores over their sum (as DeepSeek-V3's sequence-wise balance loss).
+        expert_ids_TK: chosen global expert ids, int64; ``weights_TK``: combine weights, router dtype.
         differs_T: under ``"sinkhorn"`` in training, bool ``[T]``: whether the token's chosen set of
             experts differs from the plain top-k that evaluation and inference pick; ``None`` otherwise.
     """
@@ -82,21 +71,14 @@ class Routing:
 
 
 def sinkhorn_log(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor | None = None) -> torch.Tensor:
-    """Log of the Sinkhorn-balanced version of ``softmax``-like scores ``exp(logits)``.
+    """Log of the Sinkhorn-balanced version of ``softmax``-like scores ``exp(logits)``: float ``[T, E]``
+    -> ``[T, E]`` log-scores, whose real rows' ``exp`` has column sums ``N / E`` exactly and row sums ~1.
 
-    Alternately rescales rows to sum to 1 and columns to sum to ``T / E``, in the log domain so
-    large logits cannot overflow. A fixed iteration count keeps it free of host syncs. On CUDA in fp32
-    it runs as one Triton kernel launch (``lightning_ep.moe.kernels.sinkhorn``), padded or not.
-
-    Args:
-        logits_TE: float ``[T, E]``.
-        iterations: number of row + column rescalings.
-        valid_T: bool ``[T]``, ``False`` at padded positions: their rows take no part in the column
-            sums (which then target ``N / E``, ``N`` the real tokens); their own log-scores are
-            ``-inf``. ``None``: every token is real.
-    Returns:
-        ``[T, E]`` log-scores; ``exp`` of the real rows has column sums ``N / E`` exactly and row
-        sums ~1.
+    Rescales rows to sum to 1 and columns to sum to ``T / E``, ``iterations`` times each, in the log
+    domain (large logits cannot overflow); a fixed count, so no host sync. On CUDA in fp32 it is one
+    Triton kernel launch (``lightning_ep.moe.kernels.sinkhorn``), padded or not. ``valid_T``: bool
+    ``[T]``, ``False`` at padded positions, whose rows take no part in the column sums (which then
+    target ``N / E``, ``N`` the real tokens) and whose log-scores are ``-inf``; ``None``: all real.
     """
     num_tokens, num_experts = logits_TE.shape
     if num_tokens == 0:
@@ -118,16 +100,9 @@ def sinkhorn_log(logits_TE: torch.Tensor, iterations: int, valid_T: torch.Tensor
 
 
 def group_limited(selection_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
-    """Mask to ``-inf`` every expert outside the ``topk_group`` best of ``n_group`` equal groups.
-
-    A group's score is the sum of its two best selection scores (its best one for groups of one
-    expert), as in DeepSeek-V3's ``noaux_tc`` routing.
-
-    Args:
-        selection_TE: ``[T, E]`` selection scores, ``E`` divisible by ``n_group``.
-    Returns:
-        ``[T, E]``: ``selection_TE`` where the expert's group is kept, ``-inf`` elsewhere.
-    """
+    """``[T, E]`` selection scores -> ``[T, E]``, ``-inf`` outside the ``topk_group`` best of ``n_group`` equal
+    groups, each scored by the sum of its two best scores (its best for groups of one expert), as in
+    DeepSeek-V3's ``noaux_tc`` routing."""
     num_tokens, num_experts = selection_TE.shape
     grouped_TGX = selection_TE.view(num_tokens, n_group, num_experts // n_group)
     group_scores_TG = grouped_TGX.topk(min(2, grouped_TGX.shape[-1]), dim=-1).values.sum(dim=-1)
@@ -137,25 +112,19 @@ def group_limited(selection_TE: torch.Tensor, n_group: int, topk_group: int) -> 
 
 
 class TopKRouter(nn.Module):
-    """Linear gate + top-k selection. Owns the gate ``weight [E, H]``, the optional logit ``bias
-    [E]`` and ``e_score_correction_bias [E]`` (a buffer), all adopted from the Hugging Face router
-    so that state-dict keys and values are unchanged, and in ``"balanced"`` mode without a
-    correction bias, this library's ``expert_bias [E]`` buffer.
+    """Linear gate + top-k selection. Owns the gate ``weight [E, H]``, the optional logit ``bias [E]``
+    (GPT-OSS) and the selection-only buffer ``e_score_correction_bias [E]`` (DeepSeek-V3): the very
+    tensors of the Hugging Face router, so that state-dict keys and values are unchanged; and in
+    ``"balanced"`` mode without a correction bias, this library's ``expert_bias [E]`` buffer.
 
     Args:
-        weight: the gate weight ``[E, H]``; the very same ``Parameter`` is kept.
         top_k: experts per token ``K``.
-        mode: balancing mode.
-        normalize_weights: renormalise the top-k weights to sum to one (Mixtral always does;
-            ``"topk_softmax"`` weights sum to one by construction).
+        mode: ``MoEConfig.moe_load_balancing``.
+        normalize_weights: renormalise the top-k weights to sum to one (``"topk_softmax"``'s do).
         router_dtype: fp32 or fp64; logits, scores and Sinkhorn run in it.
         sinkhorn_iterations: iterations of ``sinkhorn_log``.
         scoring: ``"softmax"``, ``"sigmoid"`` or ``"topk_softmax"`` (see the module docstring).
-        bias: the gate's logit bias ``[E]`` (GPT-OSS), kept as the parameter ``bias``.
-        e_score_correction_bias: a selection-only bias ``[E]`` (DeepSeek-V3), kept as the buffer
-            of that name (the same tensor object); in ``"balanced"`` mode it is the bias updated.
-        n_group: number of expert groups for group-limited selection (1: no grouping).
-        topk_group: groups kept per token.
+        n_group, topk_group: selection keeps ``topk_group`` of ``n_group`` expert groups (``n_group=1``: all).
         scaling_factor: multiplies the combine weights (DeepSeek's ``routed_scaling_factor``).
     """
 
@@ -189,7 +158,19 @@ class TopKRouter(nn.Module):
                     f"TopKRouter({name}=...) has shape {list(vector.shape)}; it needs one value per expert: "
                     f"[{num_experts}]."
                 )
-        _check_groups(num_experts, top_k, n_group, topk_group)
+        if n_group < 1 or num_experts % n_group:
+            valid = [g for g in range(1, num_experts + 1) if num_experts % g == 0]
+            raise ValueError(
+                f"TopKRouter(n_group={n_group}) must divide the number of experts ({num_experts}); "
+                f"choose one of {valid}."
+            )
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"TopKRouter(topk_group={topk_group}) must be between 1 and n_group={n_group}.")
+        if top_k > topk_group * (num_experts // n_group):
+            raise ValueError(
+                f"TopKRouter(top_k={top_k}) exceeds the {topk_group * (num_experts // n_group)} experts of the "
+                f"topk_group={topk_group} groups kept (of {num_experts // n_group} experts each); raise topk_group."
+            )
         self.weight = weight
         self.bias = bias
         self.top_k = top_k
@@ -237,20 +218,16 @@ class TopKRouter(nn.Module):
         name = self.bias_name
         bias, load = getattr(self, name), self.pending_load
         super()._apply(fn, recurse)
-        if bias.is_meta:  # to_empty(): nothing to keep; fp32 storage on the new device
-            setattr(self, name, torch.empty_like(bias, dtype=torch.float32, device=getattr(self, name).device))
-            self.pending_load = torch.empty_like(load, device=self.pending_load.device)
-        else:
-            setattr(self, name, bias.to(dtype=torch.float32, device=getattr(self, name).device))
-            self.pending_load = load.to(device=self.pending_load.device)
+        # After to_empty() there is nothing to keep: fp32 storage on the new device.
+        move: Callable[..., torch.Tensor] = torch.empty_like if bias.is_meta else torch.Tensor.to
+        setattr(self, name, move(bias, dtype=torch.float32, device=getattr(self, name).device))
+        self.pending_load = move(load, device=self.pending_load.device)
         return self
 
     def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> Routing:
-        """Route ``x_TH`` (any float dtype); everything inside runs in the router dtype, under autocast too.
-
-        ``valid_T`` (bool ``[T]``, ``False`` at padded positions) keeps padded rows out of the
-        Sinkhorn normalisation; their choices are whatever their scores give (the caller drops them).
-        """
+        """Route ``x_TH`` (any float dtype) in the router dtype, under autocast too. ``valid_T`` (bool
+        ``[T]``, ``False`` at padded positions) keeps padded rows out of the Sinkhorn normalisation;
+        their choices are whatever their scores give (the caller drops them)."""
         dtype = self.router_dtype
         bias = None if self.bias is None else self.bias.to(dtype)
         # Autocast (Lightning's "bf16-mixed") would run this product in bf16 whatever the inputs.
@@ -311,12 +288,8 @@ class TopKRouter(nn.Module):
 
     @torch.no_grad()
     def update_bias(self, rate: float, load_E: torch.Tensor | None = None) -> None:
-        """Move the ``"balanced"`` bias towards equal load and clear the pending counts.
-
-        Args:
-            rate: step size; each bias moves by ``+rate`` (under-loaded) or ``-rate`` (over-loaded).
-            load_E: counts to use instead of the pending load (e.g. summed over ranks by the caller).
-        """
+        """Move each ``"balanced"`` bias by ``+rate`` (under-loaded) or ``-rate`` (over-loaded) and clear
+        the pending counts. ``load_E``: counts to use instead of the pending load (e.g. summed over ranks)."""
         bias = self.selection_bias
         if self.mode != "balanced" or bias is None:
             return
@@ -332,18 +305,3 @@ class TopKRouter(nn.Module):
         if self.scaling_factor != 1.0:
             extra += f", scaling_factor={self.scaling_factor}"
         return f"experts={self.num_experts}, top_k={self.top_k}, mode={self.mode!r}, dtype={self.router_dtype}{extra}"
-
-
-def _check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
-    if n_group < 1 or num_experts % n_group:
-        valid = [g for g in range(1, num_experts + 1) if num_experts % g == 0]
-        raise ValueError(
-            f"TopKRouter(n_group={n_group}) must divide the number of experts ({num_experts}); choose one of {valid}."
-        )
-    if not 1 <= topk_group <= n_group:
-        raise ValueError(f"TopKRouter(topk_group={topk_group}) must be between 1 and n_group={n_group}.")
-    if top_k > topk_group * (num_experts // n_group):
-        raise ValueError(
-            f"TopKRouter(top_k={top_k}) exceeds the {topk_group * (num_experts // n_group)} experts of the "
-            f"topk_group={topk_group} groups kept (of {num_experts // n_group} experts each); raise topk_group."
-        )

@@ -1,10 +1,9 @@
 """``RowBudget``: the static row budget of a dispatch plan that never reads counts on the host.
 
-A static plan (the symmetric-memory dispatch with ``max_tokens_per_rank``, the padded all-to-all
-with ``Execution(row_budget=...)``) sizes every buffer from a budget ``R`` of rows received per rank,
-so the host queues layer after layer without waiting for the GPU. Routing may still send more: the
-excess rows are left out of that layer's output, and the budget notes it on the device. Who reads
-the note decides what happens:
+A static plan (symmetric memory or the padded all-to-all with ``Execution(row_budget=...)``) sizes
+every buffer from a budget ``R`` of rows received per rank, so the host queues layer after layer
+without waiting for the GPU. Rows routed past it are left out of that layer's output, and the
+budget notes it on the device. Who reads the note decides what happens:
 
 - ``check`` raises (the plan's own guard, outside ``ExpertParallelStrategy``);
 - ``take_excess`` returns the loads without raising: under ``ExpertParallelStrategy`` the step then
@@ -25,16 +24,13 @@ HEADROOM = 1.25
 class RowBudget:
     """The most rows each rank's experts received in one layer since the last read, kept on the
     device (no host sync) and compared with the budget ``R`` on the host when its copy has landed.
+    ``budget``: ``R``, or ``None`` for an automatic budget not sized yet (``fit``; until then the
+    dispatcher takes its dynamic plan). ``adaptive``: ``grow`` may raise ``R``. ``multiple``: ``R`` is
+    kept a multiple of it (the padded all-to-all splits it over the ranks).
 
     Every dispatch queues a copy of the running maximum into pinned host memory. The maximum only
     grows, so whatever value the host reads is a true lower bound: ``check(wait=False)`` costs
     nothing and raises as soon as an excess is seen; ``check(wait=True)`` waits for the last copy.
-
-    Args:
-        budget: ``R``; ``None`` for an automatic budget not sized yet (``fit`` sizes it from the loads of
-            a dynamic dispatch; until then the dispatcher takes its dynamic plan).
-        adaptive: ``grow`` may raise ``R`` after an excess (automatic budgets); a forced one stays.
-        multiple: ``R`` is kept a multiple of this (the padded all-to-all splits it over the ranks).
 
     ``raise_at_dispatch``: whether each dispatch runs ``check(wait=False)`` first. The copy may land
     on one rank a layer earlier than on another, so that raise can come on some ranks only (the
@@ -75,8 +71,7 @@ class RowBudget:
 
     def check(self, *, wait: bool) -> None:
         """Raise if some rank received more than ``budget`` rows in a layer (``wait``: first wait for
-        the copy of the last dispatch's maximum; otherwise read what has landed, and keep the note
-        if it shows no excess yet)."""
+        the last copy; otherwise read what has landed, and keep the note if it shows no excess yet)."""
         if self._host_D is None or self.budget is None:
             return
         if wait and self._copied is not None:
@@ -97,8 +92,7 @@ class RowBudget:
         return self.budget
 
     def grow(self, loads: list[int]) -> bool:
-        """After an excess: an adaptive budget fits ``loads`` (``fit``) and ``True`` is returned; a
-        forced one stays as it is (``False``)."""
+        """After an excess: whether the budget is adaptive and so now ``fit`` to ``loads``."""
         if not self.adaptive:
             return False
         self.fit(loads)
@@ -106,8 +100,7 @@ class RowBudget:
 
 
 def over_budget_message(load_D: list[int], budget: int, *, guard: bool = False) -> str:
-    """The error for rows over a row budget (``guard``: over ``MoEConfig.max_tokens_per_rank``): the
-    rank, its load, every rank's, and the remedies."""
+    """The error for rows over a row budget (``guard``: over ``MoEConfig.max_tokens_per_rank``)."""
     limit = f"MoEConfig.max_tokens_per_rank={budget}" if guard else f"the row budget Execution(row_budget={budget})"
     worst = max(range(len(load_D)), key=load_D.__getitem__)
     return (

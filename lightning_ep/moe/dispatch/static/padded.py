@@ -8,12 +8,9 @@ sends exactly ``C`` rows to every rank: the pairs for rank ``d``'s experts, in s
 slots ``d * C ..`` and the rest are zeros. The exchange is an even ``all_to_all_single`` whose sizes
 the host knows in advance, and the received ``[D * C, H]`` rows are regrouped by local expert on
 the device, padding rows last, where the grouped GEMM stops at the last expert's offset. The rows,
-their order and the arithmetic are the dynamic plan's, so the numbers are the same bits.
-
-A source that routes more than ``C`` pairs to one rank in a layer overflows: its pairs past ``C``
-are left out of that layer's output. ``RowBudget`` notes the loads on the device (the counts are
-gathered on every rank, so every rank notes the same); under ``ExpertParallelStrategy`` the step is
-then run again with that layer on the dynamic plan (``lightning_ep.strategy.budget_fallback``).
+their order and the arithmetic are the dynamic plan's, so the numbers are the same bits. A source
+that routes more than ``C`` pairs to one rank in a layer overflows: its pairs past ``C`` are left
+out of that layer's output, and ``RowBudget`` notes the loads (the same on every rank).
 
 Cost: ``D * C`` rows per exchange instead of the rows routed: an automatic budget is ``HEADROOM``
 times the largest source-to-rank load times ``D``, so at least ``HEADROOM`` times the routed rows, more
@@ -29,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher
-from lightning_ep.moe.dispatch.base import Dispatched
+from lightning_ep.moe.dispatch.base import Dispatched, gather_counts
 from lightning_ep.moe.dispatch.comm import all_to_all
 from lightning_ep.moe.dispatch.rows import (
     block_of_rows,
@@ -47,8 +44,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PaddedPlan:
-    """The index maps of one padded dispatch (``padded_plan``), the pairs' sort order (and its
-    inverse) and ``C``, the rows each rank sends to each rank."""
+    """The index maps of one padded dispatch (``padded_plan``), the sort order and its inverse, and ``C``."""
 
     send_S: torch.Tensor
     slot_N: torch.Tensor
@@ -64,18 +60,11 @@ class PaddedPlan:
 class PaddedAllToAllDispatcher(AllToAllDispatcher):
     """The all-to-all dispatcher on the static plan padded to a row budget (see the module docstring).
 
-    Args:
-        num_experts: global experts.
-        group: the expert-parallel group.
-        row_budget: ``R`` rows received per rank (rounded up to a multiple of the degree), or
-            ``"auto"``: sized from the first dispatch's loads, grown after an excess.
-        max_tokens_per_rank: ``MoEConfig``'s safety bound, checked by the dynamic plan (a rerun
-            over it raises as the all-to-all dispatcher does).
-
-    ``dynamic``: take the dynamic plan (the parent's, one host sync) instead; the budget fallback
-    sets it for the run of a step that went over budget. An automatic budget not sized yet takes it
-    too, and sizes the budget from that dispatch's loads; so do forwards without grad (evaluation,
-    which no fallback watches).
+    ``row_budget``: ``R`` rows received per rank (rounded up to a multiple of the degree), or
+    ``"auto"``: sized from the first dispatch's loads, grown after an excess. ``max_tokens_per_rank``
+    is checked by the dynamic plan, which runs (one host sync) under ``dynamic``, for an automatic
+    budget not sized yet (sizing it from that dispatch's loads), and without grad (evaluation, which
+    no fallback watches).
     """
 
     keeps_exchanges = False
@@ -103,8 +92,9 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         if keep is not None:
             raise ValueError("keep_all_to_all needs the dynamic all-to-all plan, not a row budget.")
         if self.dynamic or self.budget.budget is None or not torch.is_grad_enabled():  # evaluation: dynamic
-            if self.budget.budget is None:
-                self.budget.fit(self._loads_on_host(expert_ids_TK))  # one more host read, once
+            if self.budget.budget is None:  # sized from the loads dispatch_static would note: one more host read
+                _, counts_E = sort_by_expert(expert_ids_TK, self.num_experts)
+                self.budget.fit(pair_loads(gather_counts(counts_E, self.group), self.num_local_experts).tolist())
             return super().dispatch(x_TH, expert_ids_TK, weights_TK)
         if self.budget.raise_at_dispatch:
             self.budget.check(wait=False)
@@ -120,7 +110,7 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         C = self.budget.budget // D
         order_N, counts_E = sort_by_expert(expert_ids_TK, self.num_experts)
         inverse_N = inverse_permutation(order_N)
-        counts_DE = self._gather_counts(counts_E)
+        counts_DE = gather_counts(counts_E, self.group)
         plan = padded_plan(counts_DE, self.rank, L, C, order_N.numel(), order_N=order_N, inverse_N=inverse_N)
         x_SH = _SelectRows.apply(gather_rows(x_TH, order_N, K, inverse_N), plan.send_S, plan.slot_N)
         recv_SH = all_to_all(x_SH, [C] * D, [C] * D, self.group)
@@ -137,17 +127,6 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         y_back_SH = all_to_all(y_SH, splits, splits, self.group)
         y_NH = _SelectRows.apply(y_back_SH, plan.slot_N, plan.send_S)
         return weighted_unsort(y_NH, plan.inverse_N, plan.order_N, weights_TK)
-
-    def _loads_on_host(self, expert_ids_TK: torch.Tensor) -> list[int]:
-        """The loads ``dispatch_static`` would note for these ids, read on the host."""
-        _, counts_E = sort_by_expert(expert_ids_TK, self.num_experts)
-        return pair_loads(self._gather_counts(counts_E), self.num_local_experts).tolist()
-
-    def _gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-        """``C``: every rank's pairs per expert, ``[D, E]`` on the device (no host sync)."""
-        flat = torch.empty(self.degree * self.num_experts, dtype=counts_E.dtype, device=counts_E.device)
-        dist.all_gather_into_tensor(flat, counts_E, group=self.group)
-        return flat.view(self.degree, self.num_experts)
 
 
 def pair_loads(counts_DE: torch.Tensor, num_local: int) -> torch.Tensor:
@@ -168,7 +147,6 @@ def padded_plan(
     inverse_N: torch.Tensor | None = None,
 ) -> PaddedPlan:
     """The index maps of one padded dispatch, from the gathered counts ``C[s, e]`` (no host sync).
-
     Send side (``S = D * slots`` rows): ``send_S[q]`` is the sorted pair in slot ``q`` (``-1``:
     padding), ``slot_N[p]`` the slot of sorted pair ``p`` (``-1``: past its destination's slots).
     Receive side: ``regroup_M[m]`` is the received row that expert-major row ``m`` holds (local

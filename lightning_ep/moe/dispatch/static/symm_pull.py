@@ -3,8 +3,8 @@
 Every rank of an expert-parallel group maps one buffer (``SymmetricWorkspace``) of every other
 rank into its own address space (``torch.distributed._symmetric_memory``), so a kernel on rank
 ``r`` can load a row that rank ``s`` wrote, over NVLink, with an ordinary load. The three pull
-kernels here gather rows that way; ``lightning_ep.moe.dispatch.static.symmetric`` builds the dispatch on them.
-A fourth (``copy_live_rows``) puts a padded plan's rows into this rank's own buffer.
+kernels here gather rows that way (``symmetric`` builds the dispatch on them); ``copy_live_rows``
+puts a padded plan's rows into this rank's own buffer.
 
 One exchange is always: each rank writes its own buffer, ``barrier()`` (a device-side barrier on
 the current stream: no host sync), each rank reads the others' buffers. No kernel here writes
@@ -23,6 +23,7 @@ kernel finds rank ``s``'s copy of a region at ``bases[s] + offset``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -33,8 +34,7 @@ from lightning_ep.moe.kernels.lazy_triton import lazy_kernels
 #: Elements of a row per program. Equal to ``combine._BLOCK_H``: the weight gradients' dot products
 #: then reduce in the same order as the fused combine's, so both give the same bits.
 BLOCK_H = 1024
-#: Elements per program of the kernels that only move rows (``pull_rows``, ``copy_live_rows``):
-#: 2048 pulled faster than 1024 at H = 2048 on an H200 (2026-12-01, commit 6375282).
+#: Elements per program of the kernels that only move rows (``pull_rows``, ``copy_live_rows``).
 MOVE_BLOCK_H = 2048
 _ALIGN = 256
 _GROWTH = 1.25
@@ -51,8 +51,7 @@ def align(nbytes: int) -> int:
 
 
 def offsets(sizes: dict[str, int]) -> dict[str, int]:
-    """Where each region starts in a buffer laid out as ``REGIONS`` with ``sizes`` bytes each (one
-    after the other, in that order), and the ``"total"`` bytes (at least one alignment unit)."""
+    """Each region's start, ``REGIONS`` in order with ``sizes`` bytes each, and the ``"total"`` (>= ``_ALIGN``)."""
     at, offset = {}, 0
     for name in REGIONS:
         at[name] = offset
@@ -74,10 +73,9 @@ def region_sizes(tokens: int, rows: int, top_k: int, hidden: int, element_size: 
 
 
 class SymmetricWorkspace:
-    """One symmetric-memory buffer per (process group, device), shared by every MoE layer.
-
-    Its regions have fixed offsets (``at``) between growths, whatever the layer: a region's bytes
-    are only ever that region's, so the exchanges of different layers never overlap in the buffer.
+    """One symmetric-memory buffer per (process group, device), shared by every MoE layer. Its
+    regions have fixed offsets (``at``) between growths, whatever the layer: a region's bytes are
+    only ever that region's, so the exchanges of different layers never overlap in the buffer.
     ``reserve`` reallocates it when a region is too small (every region then gets 1.25 times what
     the call asked, or keeps its size if larger); every rank of the group calls it with the same
     sizes at the same point (the largest of any rank, from the counts all ranks gathered), since
@@ -87,8 +85,7 @@ class SymmetricWorkspace:
     _instances: ClassVar[dict[tuple[str, int], SymmetricWorkspace]] = {}
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.group = group
-        self.device = device
+        self.group, self.device = group, device
         #: Bytes of each region, and their offsets in every rank's buffer (with the total).
         self.sizes = dict.fromkeys(REGIONS, 0)
         self.at = dict.fromkeys((*REGIONS, "total"), 0)
@@ -132,10 +129,7 @@ class SymmetricWorkspace:
     def region(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """This rank's own region ``name`` (from its first byte) as a ``shape`` tensor of ``dtype``;
         an error if it does not fit, rather than a write into the next region."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if self.buffer is None or nbytes > self.sizes[name]:
             raise RuntimeError(
                 f"the symmetric-memory workspace's region {name!r} holds {self.sizes[name]} bytes, but a {list(shape)} "

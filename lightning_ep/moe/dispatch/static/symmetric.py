@@ -6,8 +6,8 @@ the expert-parallel group, L = E / D experts per rank, N = T * K routed pairs on
 received for the local experts; ``C[s, e]``: pairs of rank ``s`` routed to expert ``e``.
 
 The all-to-all dispatcher copies rows four times per direction: into sorted order, through NCCL,
-into expert order, and back. Here each rank instead reads (pulls) the rows it needs straight
-from the other GPUs' memory, already in the order it needs them (``lightning_ep.moe.dispatch.static.symm_pull``):
+into expert order, and back. Here each rank instead pulls the rows it needs straight from the other
+GPUs' memory, already in the order it needs them (``symm_pull``):
 
 - dispatch: each rank puts its tokens ``[T, H]`` and its sorted pairs in its buffer; the experts'
   rank reads row ``m`` (expert-major, then source rank, then the source's sorted order: the
@@ -17,19 +17,12 @@ from the other GPUs' memory, already in the order it needs them (``lightning_ep.
 - backward: the same two pulls with the roles swapped; the experts' rank computes the combine's
   weight gradients, and the token's rank pulls them.
 
-Every rank only ever writes its own buffer; remote memory is only read.
-
 Same numbers as the all-to-all dispatcher, bit for bit (``tests/gpu``). One host read per layer,
-like it: the gathered counts ``C``, which size ``M`` and the buffer.
-
-With a row budget (``Execution(row_budget=R)``) the plan is static and there is no host
-read at all: every rank's ``M`` is padded to ``R`` rows (a padding row has source ``-1``: no kernel
-reads or writes it, and the grouped GEMMs stop at the last expert's offset), the buffer is sized
-from ``R`` alone, and the host can queue layer after layer without waiting for the GPU. A layer
-whose rows exceed ``R`` on some rank leaves the excess out; ``RowBudget``
-(``lightning_ep.moe.dispatch.static.budget``) notes it on the device and raises at the next dispatch that
-finds the note on the host. Under ``ExpertParallelStrategy`` that training forward runs again
-instead, with the layer on the dynamic plan (``dynamic``; ``lightning_ep.strategy.budget_fallback``).
+like it: the gathered counts ``C``, which size ``M`` and the buffer. With a row budget
+(``Execution(row_budget=R)``) the plan is static and there is no host read at all: every rank's
+``M`` is padded to ``R`` rows (a padding row has source ``-1``: no kernel reads or writes it, and
+the grouped GEMMs stop at the last expert's offset) and the buffer is sized from ``R`` alone. Rows
+past ``R`` are left out and noted by the ``RowBudget``.
 """
 
 from __future__ import annotations
@@ -39,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from lightning_ep.moe.dispatch.base import Dispatched, Dispatcher, expert_layout
+from lightning_ep.moe.dispatch.base import Dispatched, Dispatcher, expert_layout, gather_counts
 from lightning_ep.moe.dispatch.rows import block_of_rows, inverse_permutation, sort_by_expert
 from lightning_ep.moe.dispatch.static.budget import RowBudget
 from lightning_ep.moe.dispatch.static.symm_pull import (
@@ -81,14 +74,10 @@ def plan_pulls(
     *,
     padded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The pull indices, from the gathered counts ``C = counts_DE`` (no host sync; ``rows`` is
-    this rank's ``M``).
-
-    ``padded``: a static plan, ``rows`` being every rank's budget ``R`` rather than its ``M``. Rows
-    past the ones received get source -1 (padding), and pairs whose row on their expert's rank is
-    ``R`` or more (a rank over budget) get row -1 (left out).
-
-    Returns ``src_M, pos_M`` (receiver side) and ``src_TK, row_TK`` (sender side), int32.
+    """``src_M, pos_M`` (receiver side) and ``src_TK, row_TK`` (sender side), int32, from the
+    gathered counts ``C = counts_DE``; ``rows`` is this rank's ``M``. No host sync. ``padded``: a
+    static plan, ``rows`` being every rank's budget ``R``: rows past the ones received get source -1
+    (padding), and pairs whose row on their expert's rank is ``R`` or more (over budget) get row -1.
     """
     D, L = counts_DE.shape[0], num_local
     device = counts_DE.device
@@ -122,8 +111,7 @@ def plan_pulls(
 
 
 def sort_pairs(expert_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``order_N, counts_E, inverse_N``: this rank's pairs sorted by expert (``sort_by_expert``) and
-    where each pair lands in that order. No host sync."""
+    """``sort_by_expert`` of this rank's pairs, and its inverse permutation ``inverse_N``. No host sync."""
     order_N, counts_E = sort_by_expert(expert_ids_TK, num_experts)
     return order_N, counts_E, inverse_permutation(order_N)
 
@@ -138,11 +126,8 @@ def static_plan(
     budget: int,
 ) -> tuple[torch.Tensor, ...]:
     """The plan padded to ``budget`` rows (``plan_pulls(padded=True)``), the sorted pairs as int32,
-    the local experts' row counts clamped to the budget, and the rows received per rank.
-
-    Every shape follows from the inputs' and ``budget`` alone, so ``torch.compile`` fuses it
-    (``SymmetricMemoryDispatcher.compile_plan``) into a few kernels instead of some fifty.
-    """
+    the local experts' row counts clamped to the budget, and the rows received per rank. Every shape
+    follows from the inputs and ``budget``, so ``torch.compile`` can fuse it (``compile_plan``)."""
     D, L = counts_DE.shape[0], num_local
     src_M, pos_M, src_TK, row_TK = plan_pulls(counts_DE, rank, L, expert_ids_TK, inverse_N, budget, padded=True)
     received_DL = counts_DE.view(D, D, L).sum(0)  # rows arriving at each rank, per local expert
@@ -153,12 +138,10 @@ def static_plan(
 
 
 class SymmetricMemoryDispatcher(Dispatcher):
-    """Dropless dispatch by pulls through symmetric memory (see the module docstring).
-
-    Needs CUDA, an NCCL group whose ranks share one node with peer access between their GPUs, and
-    Triton. ``max_tokens_per_rank``: the static, sync-free plan with that row budget ``R`` (each
-    rank's tokens must not exceed it either); ``None`` reads the counts on the host and sizes every
-    buffer to fit.
+    """Dropless dispatch by pulls through symmetric memory (see the module docstring). Needs CUDA,
+    Triton and an NCCL group whose ranks share one node with peer access between their GPUs.
+    ``max_tokens_per_rank``: the static, sync-free plan with that row budget ``R`` (each rank's tokens
+    must not exceed it either); ``None`` reads the counts on the host and sizes every buffer to fit.
     """
 
     group: dist.ProcessGroup
@@ -172,17 +155,13 @@ class SymmetricMemoryDispatcher(Dispatcher):
             )
         self.group, self.num_experts = group, num_experts
         self.degree, self.rank, self.num_local_experts = expert_layout(num_experts, group)
-        self.max_tokens_per_rank = max_tokens_per_rank
         self.budget = RowBudget(max_tokens_per_rank) if max_tokens_per_rank is not None else None
         # Eager by default; ``compile_plan`` swaps in compiled versions of the same functions.
         self._sort_pairs_fn = sort_pairs
         self._static_plan_fn = static_plan
 
     def compile_plan(self, **compile_kwargs: Any) -> None:
-        """Run the pair sort and the static plan's index arithmetic through ``torch.compile``
-        (``MoELayer.compile_routing`` calls this): a few fused kernels instead of some fifty small
-        ones per layer, the same integers. Only the plan with a row budget is static; without one
-        the sort alone is compiled."""
+        """``torch.compile`` the pair sort and the static plan: a few fused kernels, not some fifty."""
         self._sort_pairs_fn = torch.compile(sort_pairs, **compile_kwargs)
         self._static_plan_fn = torch.compile(static_plan, **compile_kwargs)
 
@@ -204,16 +183,25 @@ class SymmetricMemoryDispatcher(Dispatcher):
             dispatched, loads_D = self.dispatch_static(x_TH, expert_ids_TK)
             self.budget.note(loads_D)
             return dispatched
+        D, L, K = self.degree, self.num_local_experts, expert_ids_TK.shape[1]
         workspace = SymmetricWorkspace.of(self.group, x_TH.device)
-        plan, counts_E = self._plan(expert_ids_TK, x_TH.shape[1], x_TH.element_size(), workspace)
+        order_N, counts_E, inverse_N = self._sort_pairs_fn(expert_ids_TK, self.num_experts)
+        counts_DE = gather_counts(counts_E, self.group)
+        counts_host_DE = counts_DE.cpu()  # the one host sync: every rank's counts
+        loads_D = counts_host_DE.view(D, D, L).sum(dim=(0, 2))  # rows arriving at each rank
+        tokens_D = torch.div(counts_host_DE.sum(1), K, rounding_mode="floor")
+        rows = int(loads_D[self.rank])
+        workspace.reserve(region_sizes(int(tokens_D.max()), int(loads_D.max()), K, x_TH.shape[1], x_TH.element_size()))
+        src_M, pos_M, src_TK, row_TK = plan_pulls(counts_DE, self.rank, L, expert_ids_TK, inverse_N, rows)
+        mine = slice(self.rank * L, (self.rank + 1) * L)
+        counts_L, counts_host = counts_DE[:, mine].sum(0), counts_host_DE[:, mine].sum(0).tolist()
+        plan = PullPlan(src_M, pos_M, src_TK, row_TK, order_N.to(torch.int32), counts_L, counts_host)
         x_MH = _PullDispatch.apply(x_TH.contiguous(), plan, workspace)
-        return Dispatched(x_MH, plan.counts_L, counts_E, plan, counts_host=plan.counts_host)
+        return Dispatched(x_MH, counts_L, counts_E, plan, counts_host=counts_host)
 
     def dispatch_static(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor) -> tuple[Dispatched, torch.Tensor]:
-        """The dispatch on the plan padded to the row budget ``R`` (needs ``max_tokens_per_rank``),
-        without the budget's bookkeeping: no host read and no host-side state, so a CUDA graph can
-        capture it (``lightning_ep.moe.graphs``). Also returns the rows received per rank
-        ``loads_D`` (int64, device), for ``RowBudget.note``."""
+        """The dispatch on the plan padded to the row budget ``R``, and the rows received per rank
+        ``loads_D`` (int64, device) for ``RowBudget.note``; no host read or state (``Dispatcher``)."""
         if self.budget is None:
             raise ValueError("dispatch_static needs a row budget: Execution(row_budget=...).")
         K, R = expert_ids_TK.shape[1], self.budget.budget
@@ -227,7 +215,7 @@ class SymmetricMemoryDispatcher(Dispatcher):
             )
         workspace = SymmetricWorkspace.of(self.group, x_TH.device)
         order_N, counts_E, inverse_N = self._sort_pairs_fn(expert_ids_TK, self.num_experts)
-        counts_DE = self._gather_counts(counts_E)
+        counts_DE = gather_counts(counts_E, self.group)
         workspace.reserve(region_sizes(R, R, K, H, x_TH.element_size()))  # the same sizes on every rank
         src_M, pos_M, src_TK, row_TK, order32_N, counts_L, loads_D = self._static_plan_fn(
             counts_DE, self.rank, self.num_local_experts, expert_ids_TK, order_N, inverse_N, R
@@ -239,29 +227,6 @@ class SymmetricMemoryDispatcher(Dispatcher):
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         workspace = SymmetricWorkspace.of(self.group, y_MH.device)
         return _PullCombine.apply(y_MH.contiguous(), weights_TK.contiguous(), dispatched.plan, workspace)
-
-    def _plan(
-        self, expert_ids_TK: torch.Tensor, hidden: int, element_size: int, workspace: SymmetricWorkspace
-    ) -> tuple[PullPlan, torch.Tensor]:
-        D, L, K = self.degree, self.num_local_experts, expert_ids_TK.shape[1]
-        order_N, counts_E, inverse_N = self._sort_pairs_fn(expert_ids_TK, self.num_experts)
-        counts_DE = self._gather_counts(counts_E)
-        counts_host_DE = counts_DE.cpu()  # the one host sync: every rank's counts
-        loads_D = counts_host_DE.view(D, D, L).sum(dim=(0, 2))  # rows arriving at each rank
-        tokens_D = torch.div(counts_host_DE.sum(1), K, rounding_mode="floor")
-        rows = int(loads_D[self.rank])
-        workspace.reserve(region_sizes(int(tokens_D.max()), int(loads_D.max()), K, hidden, element_size))
-        src_M, pos_M, src_TK, row_TK = plan_pulls(counts_DE, self.rank, L, expert_ids_TK, inverse_N, rows)
-        mine = slice(self.rank * L, (self.rank + 1) * L)
-        counts_L, counts_host = counts_DE[:, mine].sum(0), counts_host_DE[:, mine].sum(0).tolist()
-        plan = PullPlan(src_M, pos_M, src_TK, row_TK, order_N.to(torch.int32), counts_L, counts_host)
-        return plan, counts_E
-
-    def _gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-        """``C``: every rank's pairs per expert, ``[D, E]`` on the device."""
-        counts_DE = torch.empty((self.degree, self.num_experts), dtype=counts_E.dtype, device=counts_E.device)
-        dist.all_gather_into_tensor(counts_DE, counts_E, group=self.group)
-        return counts_DE
 
 
 class _PullDispatch(torch.autograd.Function):
