@@ -117,13 +117,25 @@ class AllToAllDispatcher(Dispatcher):
         D, L = self.degree, self.num_local_experts
         order_N, counts_E = sort_by_expert(expert_ids_TK, self.num_experts)
         recv_DL, host = self.exchange_counts(counts_E.view(D, L))
-        send_splits, recv_splits = host[:D], host[D : 2 * D]
-        _, regroup_M = regroup(recv_DL, sum(recv_splits))
+        _, regroup_M = regroup(recv_DL, sum(host[D : 2 * D]))
+        return self._exchange_plan(order_N, counts_E, recv_DL, host, regroup_M)
+
+    def _exchange_plan(
+        self,
+        order_N: torch.Tensor,
+        counts_E: torch.Tensor,
+        recv_DL: torch.Tensor,
+        host: list[int],
+        regroup_M: torch.Tensor,
+    ) -> ExchangePlan:
+        """The ``ExchangePlan`` of a sort order, the counts received (``recv_DL``, and ``host`` as
+        ``exchange_counts`` reads it) and the regrouping."""
+        D, L = self.degree, self.num_local_experts
         return ExchangePlan(
             order_N,
             inverse_permutation(order_N),
-            send_splits,
-            recv_splits,
+            host[:D],
+            host[D : 2 * D],
             regroup_M,
             inverse_permutation(regroup_M),
             recv_DL.sum(0),

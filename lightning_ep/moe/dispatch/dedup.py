@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from lightning_ep.moe.dispatch.all_to_all import AllToAllDispatcher, ExchangePlan, regroup
 from lightning_ep.moe.dispatch.comm import InFlight
-from lightning_ep.moe.dispatch.rows import inverse_permutation, narrow_keys, sort_by_expert
+from lightning_ep.moe.dispatch.rows import narrow_keys, sort_by_expert
 from lightning_ep.moe.kernels.lazy_triton import lazy_kernels
 
 _BLOCK_H = 1024
@@ -80,20 +80,13 @@ class DedupAllToAllDispatcher(AllToAllDispatcher):
         first_recv_D = torch.cumsum(recv_DC[:, L], 0) - recv_DC[:, L]
         source_M = torch.div(segment_M, L, rounding_mode="floor")
         gather_M = (position_M + first_recv_D.index_select(0, source_M)).index_select(0, regroup_M)
+        plain = self._exchange_plan(order_N, counts_E, recv_DL, host, regroup_M)
         return DedupPlan(
-            order_N,
-            inverse_permutation(order_N),
-            send_splits,
-            recv_splits,
-            regroup_M,
-            inverse_permutation(regroup_M),
-            recv_DL.sum(0),
-            host[2 * D : 2 * D + L],
-            counts_E,
-            token_S[:num_sent],
-            token_send,
-            token_recv,
-            gather_M,
+            **vars(plain),
+            token_S=token_S[:num_sent],
+            token_send_splits=token_send,
+            token_recv_splits=token_recv,
+            gather_M=gather_M,
         )
 
     def _send(
