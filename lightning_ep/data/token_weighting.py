@@ -16,8 +16,7 @@ rows). The token-weighted step is ``sum_rm s_rm / N``, as transformers' ``Traine
 ``num_items_in_batch = N / (A W)``. A Hugging Face causal LM called with ``model(**batch)`` then
 returns ``s_rm * A * W / N``, and Lightning's division by ``accumulate_grad_batches`` and FSDP2's
 mean over the ``W`` ranks leave exactly ``sum_rm s_rm / N``; the training step stays
-``return self.model(**batch).loss``. ``TokenWeightedDataLoader`` does this as a ``DataLoader``, so
-Lightning still gives it a distributed sampler.
+``return self.model(**batch).loss``. ``TokenWeightedDataLoader`` does this as a ``DataLoader``.
 
 Only the model's returned loss is token-weighted: the MoE aux and z losses keep their scale (``coeff``
 times their mean over the step's micro-batches and ranks, ``MoELayer.loss_scale``). ``A`` must be the
@@ -87,10 +86,8 @@ def token_weighted(
         group: the data-parallel group whose ranks average the gradients; ``None``: the default group
             (every rank under ``ExpertParallelStrategy``), or one process. Every rank of it must yield
             the same number of batches (a ``DistributedSampler`` does): each step's count is all-reduced.
-        ignore_index: the label value the loss skips.
     Yields:
-        A new dict per batch with ``num_items_in_batch``, a float32 0-dim tensor (on the host under
-        gloo, on this rank's GPU under NCCL).
+        A new dict per batch with ``num_items_in_batch``: float32, 0-dim, on the all-reduce's device.
     Raises:
         ValueError, TypeError: a bad ``accumulate_grad_batches`` (at the call); while iterating, a batch
             that is not a mapping, has no labels or already holds ``num_items_in_batch``.
@@ -104,14 +101,15 @@ def _with_step_counts(
 ) -> Iterator[dict[str, Any]]:
     distributed = dist.is_available() and dist.is_initialized()
     ranks = dist.get_world_size(group) if distributed else 1
-    device = _collective_device(group) if distributed else torch.device("cpu")
+    device = torch.device("cpu")  # where the all-reduce takes its tensor: the current GPU under NCCL
+    if distributed and dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
     while step := list(islice(iterator, accumulate)):
-        for batch in step:
-            if isinstance(batch, Mapping) and KEY in batch:
-                raise ValueError(
-                    f"token_weighted: a batch already holds {KEY!r}; it sets that key itself. Leave it out of "
-                    "the collate function, or drop the token-weighted loader."
-                )
+        if any(isinstance(batch, Mapping) and KEY in batch for batch in step):
+            raise ValueError(
+                f"token_weighted: a batch already holds {KEY!r}; it sets that key itself. Leave it out of "
+                "the collate function, or drop the token-weighted loader."
+            )
         count = sum(
             (count_loss_tokens(b, ignore_index=ignore_index).to(device) for b in step),
             torch.zeros((), dtype=torch.int64, device=device),
@@ -139,8 +137,7 @@ class TokenWeightedDataLoader(DataLoader):
     (``token_weighted``; its collate function must give dict batches with ``labels``). Lightning gives
     it its distributed sampler, worker seeding and epoch setting as any other; its length is the number
     of micro-batches. Build it in ``train_dataloader`` with the Trainer's ``accumulate_grad_batches``
-    (``group``, ``ignore_index``: as for ``token_weighted``; other arguments go to ``DataLoader``), and
-    call the model with the whole batch (``self.model(**batch)``).
+    (``group``, ``ignore_index``: as for ``token_weighted``; other arguments go to ``DataLoader``).
     """
 
     def __init__(
@@ -161,10 +158,3 @@ class TokenWeightedDataLoader(DataLoader):
         return token_weighted(
             super().__iter__(), self.accumulate_grad_batches, group=self.group, ignore_index=self.ignore_index
         )
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where an all-reduce over ``group`` takes its tensor: the current GPU under NCCL, else the host."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

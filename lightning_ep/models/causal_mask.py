@@ -15,10 +15,8 @@ implementation is ``"lightning_ep_sdpa"`` (the ``"sdpa"`` function without a mas
 ``create_causal_mask`` returns no mask at once), and a forward hook gives the config back. The
 decoder layers keep the config object they hold, so their attention still reads ``"sdpa"``, in an
 activation-checkpointed recompute and a compiled graph alike. Same kernels and numbers, without the
-sync; the cost is one shallow config copy per call. Every other call (a mask, positions or a cache,
-an argument outside ``_NEUTRAL``, another attention implementation, chunked attention or
-sub-configs, a sequence as long as the sliding window, or a trace by ``torch.compile``) runs Hugging
-Face's mask creation as before.
+sync; the cost is one shallow config copy per call. Every other call (``mask_is_known``), and a
+trace by ``torch.compile``, runs Hugging Face's mask creation as before.
 
 **Packed rows.** A row packed from several documents (transformers' ``DataCollatorWithFlattening``)
 carries ``position_ids`` that restart at 0 per document and no ``attention_mask``. Hugging Face masks
@@ -60,6 +58,7 @@ _NEUTRAL = frozenset(
         "num_items_in_batch",  # the loss's divisor (token-weighted objective): the mask does not read it
     }
 )
+_KNOWN = _NEUTRAL | frozenset(_MASK_INPUTS)
 _OWN_CONFIG = "_lightning_ep_config_to_restore"  # the model's own config, while a call runs on the copy
 _HOOKED = "_lightning_ep_skips_causal_mask"
 # Names of the hooked forward's parameters, in order, while separate_packed_documents' hook is in place.
@@ -78,8 +77,7 @@ def skip_causal_mask(model: nn.Module) -> bool:
     base = getattr(model, "base_model", model)
     if getattr(base, _HOOKED, False):
         return True
-    config = getattr(base, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    if getattr(getattr(base, "config", None), "_attn_implementation", None) != "sdpa":
         return False
     _register()
     setattr(base, _HOOKED, True)
@@ -98,9 +96,7 @@ def mask_is_known(config: Any, args: tuple, kwargs: dict) -> bool:
     layer_types = set(getattr(config, "layer_types", None) or ())
     if not layer_types <= {"full_attention", "sliding_attention"} or len(args) > 1:
         return False
-    if any(kwargs.get(name) is not None for name in _MASK_INPUTS):
-        return False
-    if any(name not in _NEUTRAL and name not in _MASK_INPUTS for name in kwargs):
+    if any(kwargs.get(name) is not None for name in _MASK_INPUTS) or not kwargs.keys() <= _KNOWN:
         return False
     tokens = args[0] if args else kwargs.get("input_ids")
     tokens = tokens if tokens is not None else kwargs.get("inputs_embeds")
@@ -145,7 +141,12 @@ def separate_packed_documents(model: nn.Module) -> bool:
     model of ``model`` (``MixtralModel`` inside ``MixtralForCausalLM``, inside a PEFT model too).
     Idempotent; reads no tensor. Returns whether the hook is in place (``False`` when the model's
     forward takes no ``position_ids`` or no ``use_cache``)."""
-    base = _innermost_base_model(model)
+    base = model  # follow base_model down (a PEFT model's is its tuner) to the decoder, its own base_model
+    for _ in range(8):  # nesting is shallow: PEFT model -> tuner -> causal LM -> decoder
+        inner = getattr(base, "base_model", base)
+        if inner is base or not isinstance(inner, nn.Module):
+            break
+        base = inner
     if getattr(base, _PACKING_PARAMETERS, None) is not None:
         return True
     names = tuple(inspect.signature(base.forward).parameters)
@@ -156,18 +157,6 @@ def separate_packed_documents(model: nn.Module) -> bool:
     return True
 
 
-def _innermost_base_model(model: nn.Module) -> nn.Module:
-    """Follow ``base_model`` down (a PEFT model's is its tuner, whose ``base_model`` is the Hugging Face
-    model's) to the module that is its own ``base_model``: the decoder that builds the mask."""
-    base = model
-    for _ in range(8):  # nesting is shallow: PEFT model -> tuner -> causal LM -> decoder
-        inner = getattr(base, "base_model", base)
-        if inner is base or not isinstance(inner, nn.Module):
-            break
-        base = inner
-    return base
-
-
 def _no_cache_for_packed_rows(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     names: tuple[str, ...] = getattr(module, _PACKING_PARAMETERS)
     given = {**dict(zip(names, args)), **kwargs}
@@ -175,13 +164,14 @@ def _no_cache_for_packed_rows(module: nn.Module, args: tuple, kwargs: dict) -> t
     if position_ids is None or given.get("attention_mask") is not None:
         return None  # nothing for Hugging Face to look for: one sequence per row, or the mask says it all
     cache = next((given[name] for name in _CACHES if given.get(name) is not None), None)
-    use_cache = given.get("use_cache")
-    if cache is None and not use_cache:
+    if cache is None and not given.get("use_cache"):
         updates: dict[str, Any] = {"use_cache": False}
         masks = _MASKS_BUILT_WITHOUT_POSITIONS.get(str(getattr(module.config, "model_type", "")), ())
         if masks:
             updates["attention_mask"] = _masks_from_positions(module, given, position_ids, masks)
-        return _with_arguments(names, args, kwargs, updates)
+        positional = names[: len(args)]  # each argument set where it was passed
+        args = tuple(updates.get(name, value) for name, value in zip(positional, args))
+        return args, {**kwargs, **{name: value for name, value in updates.items() if name not in positional}}
     if module.training:
         asked, fix = (
             ("a cache", "pass none (cache=None / past_key_values=None)")
@@ -213,10 +203,3 @@ def _masks_from_positions(
         layer_type: getattr(masking_utils, function)(module.config, embeds, None, None, position_ids)
         for layer_type, function in masks
     }
-
-
-def _with_arguments(names: tuple[str, ...], args: tuple, kwargs: dict, updates: dict[str, Any]) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of a call with the arguments named in ``updates`` set, where they were passed."""
-    positional = names[: len(args)]
-    args = tuple(updates.get(name, value) for name, value in zip(positional, args))
-    return args, {**kwargs, **{name: value for name, value in updates.items() if name not in positional}}

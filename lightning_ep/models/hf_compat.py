@@ -1,8 +1,5 @@
-"""What a transformed model keeps of Hugging Face's behaviour: weight init, router logits, the experts
-implementation switch, and a clear refusal of transformers' own expert parallelism.
-
-Hugging Face code still reaches the modules that replace a MoE block (``TopKRouter``, the routed
-experts) in four ways, each kept working here:
+"""What a transformed model keeps of Hugging Face's behaviour: Hugging Face code still reaches the
+modules that replace a MoE block (``TopKRouter``, the routed experts) in four ways, each kept working:
 
 - **Weight init.** The model's ``_init_weights(module)`` recognises Hugging Face's classes only. Each
   replacing module keeps an empty *shell* of the module it replaced (same class and attributes, no
@@ -42,10 +39,8 @@ class Replaced:
 
     def __init__(self, module: nn.Module) -> None:
         shell = module.__class__.__new__(module.__class__)
-        shell.__dict__.update(module.__dict__)
-        shell.__dict__["_parameters"] = {}
-        shell.__dict__["_buffers"] = {}
-        shell.__dict__["_modules"] = dict(module._modules)  # e.g. an activation module; no tensors of ours
+        # Its submodules stay (e.g. an activation module; no tensors of ours).
+        shell.__dict__.update(module.__dict__, _parameters={}, _buffers={}, _modules=dict(module._modules))
         self.shell = shell
 
     @contextmanager
@@ -152,21 +147,18 @@ class TransformersExperts:
     def check_runs_in(self, layer: MoELayer) -> None:
         """Refuse transformers' implementations (dropless, every expert) on a layer that splits its experts
         or bounds them by a capacity, and on experts with LoRA adapters, which they would leave out."""
-        if getattr(layer.experts, "lora_scaling", None):
-            raise ValueError(
-                f"MoE layer {layer.layer_index}: the model's config._experts_implementation is "
-                f"{self.implementation!r}, one of transformers' implementations, which would compute the "
-                "experts without their LoRA adapters. Call model.set_experts_implementation('lightning_ep') to use "
-                "lightning_ep's experts."
-            )
-        if isinstance(layer.dispatcher, LocalDispatcher):
-            return
-        raise ValueError(
-            f"MoE layer {layer.layer_index}: the model's config._experts_implementation is "
-            f"{self.implementation!r}, one of transformers' implementations, which compute every expert "
-            f"on one process without a capacity; this layer's dispatch is {type(layer.dispatcher).__name__}. Call "
-            "model.set_experts_implementation('lightning_ep') to use lightning_ep's experts."
+        said = (
+            f"MoE layer {layer.layer_index}: the model's config._experts_implementation is {self.implementation!r}, "
+            "one of transformers' implementations, which"
         )
+        fix = "Call model.set_experts_implementation('lightning_ep') to use lightning_ep's experts."
+        if getattr(layer.experts, "lora_scaling", None):
+            raise ValueError(f"{said} would compute the experts without their LoRA adapters. {fix}")
+        if not isinstance(layer.dispatcher, LocalDispatcher):
+            raise ValueError(
+                f"{said} compute every expert on one process without a capacity; this layer's dispatch is "
+                f"{type(layer.dispatcher).__name__}. {fix}"
+            )
 
     def __call__(
         self, experts: nn.Module, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor
@@ -211,12 +203,10 @@ def _warn_about_two_balancing_losses(model: nn.Module, layers: list[MoELayer]) -
     if not (layers and getattr(config, "output_router_logits", False) and coef > 0):
         return
     moe = layers[0].config
-    ours = (
-        f"MoEConfig's own (moe_load_balancing={moe.moe_load_balancing!r}, moe_aux_loss_coeff={moe.moe_aux_loss_coeff})"
-    )
     warnings.warn(
         f"lightning_ep.transform: config.output_router_logits=True, so transformers adds its own load-balancing loss "
-        f"(router_aux_loss_coef={coef}) to the loss it returns with labels, on top of {ours}. Set "
+        f"(router_aux_loss_coef={coef}) to the loss it returns with labels, on top of MoEConfig's own "
+        f"(moe_load_balancing={moe.moe_load_balancing!r}, moe_aux_loss_coeff={moe.moe_aux_loss_coeff}). Set "
         "config.output_router_logits=False to balance with MoEConfig alone.",
         stacklevel=3,
     )

@@ -1,8 +1,6 @@
 """``export_hf``: a trained expert-parallel model, live or checkpointed, as a Hugging Face folder.
 
-The folder is what ``save_pretrained`` writes (per-expert on-disk keys for Mixtral), so
-``AutoModelForCausalLM.from_pretrained`` loads it on one process. Legend: E experts, I expert
-intermediate size, H hidden size.
+Legend: E experts, I expert intermediate size, H hidden size.
 """
 
 from __future__ import annotations
@@ -55,7 +53,7 @@ def export_hf(
 
     - a live model, sharded or not (the Hugging Face model, or a ``LightningModule`` holding it).
       Under a process group every rank must call ``export_hf``: the full state dict is gathered to
-      rank 0's CPU, rank 0 writes, and an error on rank 0 is raised on every rank.
+      rank 0's CPU and rank 0 writes (``write_on_rank_zero``).
     - a checkpoint written by Lightning's ``ModelParallelStrategy.save_checkpoint`` (so by
       ``ExpertParallelStrategy``): a sharded DCP directory (``.metadata``, ``*.distcp``, ``meta.pt``;
       without a top-level ``"state_dict"`` it is read as a plain model state dict) or a full
@@ -235,14 +233,11 @@ def _read_dcp(path: Path) -> dict[str, Any]:
     }
     paths = {fqn: tuple(metadata.planner_data[fqn]) if metadata.planner_data else (fqn,) for fqn in tensors}
     lightning = any(p[0] == "state_dict" and len(p) == 2 for p in paths.values())
-    state: dict[str, Any] = {}
-    for fqn, meta in tensors.items():
-        obj_path = paths[fqn]
-        if lightning and (obj_path[0] != "state_dict" or len(obj_path) != 2):
-            continue  # optimizer states and the like
-        if not lightning and len(obj_path) != 1:
-            continue
-        state[str(obj_path[-1])] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    state: dict[str, Any] = {
+        str(path[-1]): torch.empty(tensors[fqn].size, dtype=tensors[fqn].properties.dtype)
+        for fqn, path in paths.items()
+        if (path[0] == "state_dict" and len(path) == 2 if lightning else len(path) == 1)  # no optimizer states
+    }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*no_dist.*|.*single process.*")
         dcp.load({"state_dict": state} if lightning else state, checkpoint_id=str(path), no_dist=True)
@@ -262,7 +257,16 @@ def _write_folder(
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
     expected = {key: tuple(t.shape) for key, t in hf_model.state_dict().items()}
-    state = _strip_prefix(state, expected, prefix, config)
+    keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+    if prefix is None:
+        prefix = detect_prefix(keys, expected)
+    state = {k[len(prefix) :]: state[k] for k in keys if k.startswith(prefix)}
+    if not state:
+        raise ValueError(
+            f"export_hf(prefix={prefix!r}): no checkpoint key starts with it; the keys look like "
+            f"{sorted(keys)[:3]}. Pass the attribute path of the {config.model_type} model inside your "
+            "LightningModule followed by a dot (e.g. 'model.'), or prefix=None to detect it."
+        )
     lora = [k for k in state if ".lora_" in k or "_lora_A" in k]
     if lora:
         raise ValueError(
@@ -302,22 +306,6 @@ def detect_prefix(keys: list[str] | set[str], hf_keys: Mapping[str, Any] | set[s
             f"{tied}; pass prefix= (--prefix on the command line) to choose one."
         )
     return tied[0]
-
-
-def _strip_prefix(
-    state: Mapping[str, Any], expected: Mapping[str, Any], prefix: str | None, config: Any
-) -> dict[str, Any]:
-    keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
-    if prefix is None:
-        prefix = detect_prefix(keys, expected)
-    picked = {k[len(prefix) :]: state[k] for k in keys if k.startswith(prefix)}
-    if not picked:
-        raise ValueError(
-            f"export_hf(prefix={prefix!r}): no checkpoint key starts with it; the keys look like "
-            f"{sorted(keys)[:3]}. Pass the attribute path of the {config.model_type} model inside your "
-            "LightningModule followed by a dot (e.g. 'model.'), or prefix=None to detect it."
-        )
-    return picked
 
 
 def _drop_library_buffers(state: dict[str, Any], expected: Mapping[str, Any]) -> dict[str, Any]:

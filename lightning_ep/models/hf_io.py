@@ -1,10 +1,8 @@
 """Hugging Face checkpoints in and out of expert-parallel, FSDP2-sharded models.
 
-- ``load_pretrained_sharded(model, folder)``: every rank reads only the blocks its own shards hold
-  from a Hugging Face folder; ``hf_layout`` maps the folder onto the model, ``hf_stored`` reads its
-  tensors, ``quantized`` holds the formats.
-- ``export_hf`` (defined in ``hf_export``): a live model, a Lightning checkpoint or a state dict,
-  written as a folder that ``AutoModelForCausalLM.from_pretrained`` loads on one process.
+- ``load_pretrained_sharded(model, folder)``: ``hf_layout`` maps the folder onto the model,
+  ``hf_stored`` reads its tensors, ``quantized`` holds the formats.
+- ``export_hf`` (``hf_export``): a live model, a Lightning checkpoint or a state dict, as a folder.
 
 Legend: E experts, I expert intermediate size, H hidden size; a fused expert weight is
 ``[E, R, C]`` and may be stored per expert as parts ``[R_p, C]`` stacked along the rows.
@@ -14,6 +12,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,9 +80,19 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
             f"load_pretrained_sharded(folder={str(folder)!r}): no such directory; pass a Hugging Face model "
             "folder (config.json and safetensors weights)."
         )
-    _check_model_type(model, folder)
+    config_file = folder / "config.json"
+    mine = getattr(getattr(model, "config", None), "model_type", None)
+    if mine is not None and config_file.is_file():
+        theirs = json.loads(config_file.read_text()).get("model_type")
+        if theirs is not None and theirs != mine:
+            raise ValueError(
+                f"load_pretrained_sharded: {config_file} has model_type={theirs!r} but the model is a "
+                f"{mine!r} ({type(model).__name__}); pass a folder saved from a {mine} model."
+            )
     tensors = _tensors_to_load(model)
-    found = layout(_hf_model(model), folder, [name for names, _ in tensors for name in names])
+    get_base_model = getattr(model, "get_base_model", None)  # PEFT's: its conversion rules and config apply
+    hf_model = get_base_model() if callable(get_base_model) else model
+    found = layout(hf_model, folder, [name for names, _ in tensors for name in names])
     reads = [read for names, tensor in tensors for read in _plan_tensor(names, tensor, found)]
     if found.unmatched:
         unexpected = sorted(found.unmatched)
@@ -93,49 +102,27 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
             f"(or a newer layout this transformers does not know). "
             f"Build the model from the folder's config: AutoConfig.from_pretrained({str(folder)!r})."
         )
-    _report_ignored(found)
+    ignored = found.ignored_line()  # one warning, on rank 0, naming the folder's weights the model does not use
+    if ignored is not None and (not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0):
+        warnings.warn(ignored, stacklevel=2)
     _read_all(reads)
     return model
 
 
-def _check_model_type(model: nn.Module, folder: Path) -> None:
-    config_file = folder / "config.json"
-    mine = getattr(getattr(model, "config", None), "model_type", None)
-    if not config_file.is_file() or mine is None:
-        return
-    theirs = json.loads(config_file.read_text()).get("model_type")
-    if theirs is not None and theirs != mine:
-        raise ValueError(
-            f"load_pretrained_sharded: {config_file} has model_type={theirs!r} but the model is a "
-            f"{mine!r} ({type(model).__name__}); pass a folder saved from a {mine} model."
-        )
-
-
 def _tensors_to_load(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     """State-dict entries grouped by tensor identity (tied weights: several names), without this
-    library's buffers and LoRA factors, which Hugging Face folders do not have."""
+    library's buffers and LoRA factors, which Hugging Face folders do not have; a PEFT-wrapped model's
+    names lose ``base_model.model.`` and ``base_layer``."""
     library = {name for name, _ in model.named_buffers() if name.rpartition(".")[2] in LIBRARY_BUFFERS}
     groups: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if name in library or not isinstance(tensor, torch.Tensor) or _is_adapter(name):
+        # A LoRA factor: ``q_proj.lora_A.default.weight``, an expert's ``gate_up_proj_lora_A``.
+        adapter = any(part.startswith("lora_") or "_lora_" in part for part in name.split("."))
+        if name in library or not isinstance(tensor, torch.Tensor) or adapter:
             continue
-        groups.setdefault(id(tensor), ([], tensor))[0].append(_base_name(name))
+        hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        groups.setdefault(id(tensor), ([], tensor))[0].append(hf_name)
     return list(groups.values())
-
-
-_PEFT_PREFIX = "base_model.model."
-
-
-def _is_adapter(name: str) -> bool:
-    """A PEFT LoRA factor (``q_proj.lora_A.default.weight``, an expert's ``gate_up_proj_lora_A``)."""
-    return any(part.startswith("lora_") or "_lora_" in part for part in name.split("."))
-
-
-def _base_name(name: str) -> str:
-    """The Hugging Face name of a PEFT-wrapped model's parameter (no ``base_model.model.``, ``base_layer``)."""
-    if name.startswith(_PEFT_PREFIX):
-        name = name[len(_PEFT_PREFIX) :]
-    return name.replace(".base_layer.", ".")
 
 
 def _local_shard(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -156,12 +143,6 @@ def _local_shard(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[i
             f"{tuple(tensor.placements)} give {list(shape)}; please report this with your torch version."
         )
     return local, tuple(offset)
-
-
-def _hf_model(model: nn.Module) -> nn.Module:
-    """The Hugging Face model inside a PEFT wrapper (whose conversion rules and config apply)."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
 
 
 def _plan_tensor(names: list[str], tensor: torch.Tensor, found: FolderLayout) -> list[_Read]:
@@ -240,17 +221,9 @@ def _rebuild_hint(folder: Path) -> str:
     )
 
 
-def _report_ignored(found: FolderLayout) -> None:
-    """One warning, on rank 0, naming the folder's weights the model does not use."""
-    line = found.ignored_line()
-    if line is not None and (not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0):
-        warnings.warn(line, stacklevel=3)
-
-
 def _read_all(reads: list[_Read]) -> None:
     """Run the reads in file order, at most ``CHUNK_BYTES`` of rows at a time."""
-    opener = Opener()
-    try:
+    with closing(Opener()) as opener:
         for read in sorted(reads, key=lambda r: (str(r.source.stored[0].file), r.source.stored[0].key)):
             if read.dst.numel() == 0:
                 continue
@@ -258,14 +231,11 @@ def _read_all(reads: list[_Read]) -> None:
                 read.dst.copy_(read.source.read(opener, (), read.dst.dtype))
                 continue
             first = read.box[0]
-            row_bytes = max(1, read.dst[0].numel() * 4)
-            step = max(1, CHUNK_BYTES // row_bytes)
+            step = max(1, CHUNK_BYTES // max(1, read.dst[0].numel() * 4))  # rows, at 4 bytes (fp32) an element
             for start in range(first.start, first.stop, step):
                 stop = min(start + step, first.stop)
                 sub = (slice(start, stop), *read.box[1:])
                 read.dst[start - first.start : stop - first.start].copy_(read.source.read(opener, sub, read.dst.dtype))
-    finally:
-        opener.close()
 
 
 __all__ = ["detect_prefix", "export_hf", "load_pretrained_sharded"]

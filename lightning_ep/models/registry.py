@@ -38,7 +38,6 @@ class MoEFamily:
         router_weight: path of the gate weight ``[E, H]``, in a direct child of the block.
         router_bias: path of the gate's logit bias ``[E]`` (GPT-OSS).
         score_correction_bias: path of the selection-only bias buffer ``[E]`` (DeepSeek-V3).
-        scoring: ``"softmax"``, ``"sigmoid"`` or ``"topk_softmax"`` (``moe.routing.router``).
         top_k, n_group, topk_group, routed_scaling_factor, jitter: experts per token, expert groups and
             groups kept per token (group-limited top-k), the combine weights' factor, router jitter.
         normalize_weights: config field (or a fixed bool) deciding top-k renormalisation.
@@ -78,8 +77,7 @@ class MoEFamily:
     layer_class: type[MoELayer] = MoELayer
 
     def __post_init__(self) -> None:
-        router = self.router_weight.rpartition(".")[0]
-        if not router or "." in router:
+        if not self.router_name or "." in self.router_name:
             raise ValueError(
                 f"MoEFamily(router_weight={self.router_weight!r}): the router must be a direct child of the "
                 "block, e.g. 'gate.weight'."
@@ -119,12 +117,9 @@ class MoEFamily:
         keep_replaced(gate, block.get_submodule(self.router_name))
         experts = self._experts_of(block, hf_config, adapters or {})
         keep_replaced(experts, block.get_submodule(self.gate_up_proj.rpartition(".")[0]))
-        names = {"gate": self.router_name}
-        shared = {}
-        for role, child in (("shared_experts", self.shared_experts), ("shared_experts_gate", self.shared_experts_gate)):
-            if child is not None:
-                names[role] = child
-                shared[role] = block.get_submodule(child)
+        roles = {"shared_experts": self.shared_experts, "shared_experts_gate": self.shared_experts_gate}
+        names = {"gate": self.router_name} | {role: child for role, child in roles.items() if child is not None}
+        shared = {role: block.get_submodule(child) for role, child in names.items() if role != "gate"}
         jitter = float(_field(hf_config, self.jitter, 0.0) or 0.0)
         layer = self.layer_class(
             gate, experts, config, jitter_noise=jitter, layer_index=layer_index, child_names=names, **shared
@@ -207,8 +202,7 @@ def supported_model_types() -> list[str]:
 def family_for(model: nn.Module) -> MoEFamily:
     """The adapter for ``model.config.model_type``; a clear error when there is none."""
     _load_adapters()
-    hf_config = getattr(model, "config", None)
-    model_type = getattr(hf_config, "model_type", None)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(
             f"transform(model): model_type={model_type!r} ({type(model).__name__}) is not a supported MoE "

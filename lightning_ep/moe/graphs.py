@@ -214,8 +214,7 @@ class LayerGraphs:
         self._check_weights(inputs[written:])
         replayed = LayerGraphs._replayed_backward.pop(self.device, None)
         if replayed is not None:  # the next backward replay starts a new backward pass
-            earlier = LayerGraphs._earlier_pass.setdefault(self.device, weakref.WeakValueDictionary())
-            earlier.update(replayed)
+            LayerGraphs._earlier_pass.setdefault(self.device, weakref.WeakValueDictionary()).update(replayed)
         with torch.no_grad():
             for static, value in zip(self._writable, inputs[:written], strict=True):
                 static.copy_(value)
@@ -228,8 +227,7 @@ class LayerGraphs:
         if self.bwd is None:
             self._capture_backward()
         assert self.bwd is not None
-        earlier = LayerGraphs._earlier_pass.pop(self.device, None)
-        for graphs in list(earlier.values()) if earlier is not None else []:
+        for graphs in list(LayerGraphs._earlier_pass.pop(self.device, {}).values()):
             graphs._release_grads()
         for static, grad in zip(self._grad_outs, grads_in, strict=True):
             if grad is None:
@@ -241,9 +239,8 @@ class LayerGraphs:
         return self._grads
 
     def _release_grads(self) -> None:
-        """Copy out a weight's ``.grad`` that is still the backward graph's buffer, which any layer's
-        next backward replay may reuse (the shared pool): the first backward replay of a pass does it
-        for the backwards of earlier passes. Nothing to copy after ``zero_grad(set_to_none=True)``."""
+        """Copy out a weight's ``.grad`` that is still the backward graph's buffer, which any layer's next
+        backward replay may reuse (the module docstring's Gradients); none after ``zero_grad(set_to_none=True)``."""
         # What each of ``_grads`` is the gradient of, now (the router's tensors as FSDP2 holds them in
         # backward); ``None`` for the graph's other inputs.
         gate = [getattr(self._gate, n) for n in self._gate_names] if self._gate is not None else []
@@ -380,8 +377,7 @@ class LayerGraphs:
         assert self._layer_pools is not None
         with self._capturing(self.bwd, self._layer_pools[1]):
             self._grads = backward_of(self._outputs, self._static, self._grad_outs)
-        # Frees the capture's autograd graph.
-        self._outputs = tuple(t.detach() for t in self._outputs)
+        self._outputs = tuple(t.detach() for t in self._outputs)  # frees the capture's autograd graph
 
     def _shared_pools(self) -> tuple[Any, Any]:
         """The device's forward and backward pools while another layer's graphs live in them, else new
@@ -402,8 +398,7 @@ class LayerGraphs:
 
 
 class _Pending:
-    """Held by a replayed forward's autograd node; the layer holds a weak reference. The forward is
-    pending until its backward has run or its autograd graph was dropped."""
+    """Held by a replayed forward's autograd node, and weakly by its layer (``LayerGraphs.pending``)."""
 
     __slots__ = ("__weakref__", "done")
 

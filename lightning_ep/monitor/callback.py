@@ -27,14 +27,16 @@ from lightning_ep.transform import moe_layers
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+# What each MoELayer kept from its last forward, in the order of MoELoadMetric.update's arguments.
+_RECORDED = ("tokens_per_expert", "router_entropy", "aux_loss", "z_loss", "tokens_dropped", "selection_gap")
+
 
 class MoEMonitor(Callback):
     """Log expert load balance and router health of every ``MoELayer`` through the Trainer's loggers.
 
     After every training batch it adds what each ``MoELayer`` kept from its last forward to a
-    ``MoELoadMetric`` on the device, without a host sync. Every ``every_n_steps`` optimizer steps (the
-    Trainer's ``log_every_n_steps`` by default) and at the end of fit, it logs, over the batches of the
-    window and all ranks:
+    ``MoELoadMetric`` on the device, without a host sync. Every ``every_n_steps`` optimizer steps and
+    at the end of fit, it logs, over the batches of the window and all ranks:
 
     - per layer ``<prefix>/layer_<i>/<name>`` and for the model ``<prefix>/<name>``, with ``name``
       in ``STAT_NAMES`` (described in ``MoELoadMetric``);
@@ -194,16 +196,8 @@ class MoEMonitor(Callback):
         """Add the layers' latest forward to the window, on the device."""
         assert self.metric is not None, "MoEMonitor: on_train_start must run before the first batch"
         device = self.metric.stats.device
-        layers = self._layers
-        dropped_L = _stack_dropped([getattr(layer, "tokens_dropped", None) for layer in layers], device)
-        self.metric.update(
-            torch.stack([layer.tokens_per_expert.to(device) for layer in layers]),
-            torch.stack([layer.router_entropy.to(device) for layer in layers]),
-            torch.stack([layer.aux_loss.to(device) for layer in layers]),
-            torch.stack([layer.z_loss.to(device) for layer in layers]),
-            dropped_L,
-            torch.stack([layer.selection_gap.to(device) for layer in layers]),
-        )
+        stacked: list[Any] = [_stack(self._layers, name, device) for name in _RECORDED]
+        self.metric.update(*stacked)
         self._window_batches += 1
 
     def _flush(self, trainer: pl.Trainer) -> dict[str, float]:
@@ -265,8 +259,10 @@ class MoEMonitor(Callback):
             imbalance.savefig(self._log_dir / "load_imbalance.png", dpi=_DPI)
 
 
-def _stack_dropped(values: list[Any], device: torch.device) -> Tensor | None:
-    """``MoELayer.tokens_dropped`` of each layer as ``[L]`` (0 where a layer has none); ``None`` if none has."""
+def _stack(layers: list[MoELayer], name: str, device: torch.device) -> Tensor | None:
+    """The attribute ``name`` of each layer stacked on ``device`` (``[L, ...]``); of ``tokens_dropped``,
+    0 where a layer has none, ``None`` if none has."""
+    values: list[Any] = [getattr(layer, name, None) for layer in layers]
     if all(isinstance(value, Tensor) for value in values):
         return torch.stack([value.to(device) for value in values])
     if all(value is None for value in values):

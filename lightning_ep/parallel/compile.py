@@ -41,11 +41,8 @@ _log = logging.getLogger(__name__)
 def dense_children(block: nn.Module) -> list[nn.Module]:
     """The direct children of ``block`` that hold no MoE layer and are no ``ModuleList``: attention,
     norms, a dense MLP."""
-    return [
-        child
-        for child in block.children()
-        if not any(isinstance(m, MoELayer) for m in child.modules()) and not isinstance(child, nn.ModuleList)
-    ]
+    children = [child for child in block.children() if not isinstance(child, nn.ModuleList)]
+    return [child for child in children if not any(isinstance(m, MoELayer) for m in child.modules())]
 
 
 def compile_blocks(blocks: Iterable[nn.Module], *, routing: bool = True, **compile_kwargs: Any) -> int:
@@ -57,8 +54,7 @@ def compile_blocks(blocks: Iterable[nn.Module], *, routing: bool = True, **compi
     ``use_cache=False``: a KV cache makes the attention's graph depend on the layer index, and past
     Dynamo's recompile limit (8) the remaining layers run eagerly. Idempotent.
 
-    ``blocks``: the decoder layers (``parallel.fsdp.decoder_blocks(model)``); ``compile_kwargs`` go to
-    ``torch.compile``. Returns the number of blocks compiled by this call.
+    Returns the number of blocks this call compiled; ``blocks``: the decoder layers (``parallel.fsdp.decoder_blocks``).
     """
     count = 0
     for block in blocks:
@@ -75,33 +71,21 @@ def compile_blocks(blocks: Iterable[nn.Module], *, routing: bool = True, **compi
 
 
 def compile_loss(model: nn.Module, **compile_kwargs: Any) -> bool:
-    """Replace a Hugging Face model's ``loss_function`` with ``torch.compile(loss_function)`` (the same
-    loss to float rounding). Idempotent; returns whether this call compiled it (``False`` when already
-    compiled, or without a settable ``loss_function``)."""
+    """Replace a Hugging Face model's settable ``loss_function`` with ``torch.compile(loss_function)``
+    (the same loss to float rounding). Idempotent; returns whether this call compiled it."""
     loss_property = getattr(type(model), "loss_function", None)
     if not isinstance(loss_property, property) or loss_property.fset is None:
         return False
-    if getattr(model, _COMPILED_LOSS, False):
-        return False
-    loss_function: Any = model.loss_function  # typed Tensor | Module by nn.Module.__getattr__
-    model.loss_function = torch.compile(loss_function, **compile_kwargs)  # type: ignore[assignment]
-    setattr(model, _COMPILED_LOSS, True)
-    return True
+    return _compile_once(model, "loss_function", _COMPILED_LOSS, compile_kwargs)
 
 
 def compile_head(model: nn.Module, **compile_kwargs: Any) -> bool:
     """Replace the ``forward`` of a model's output projection (``get_output_embeddings()``) with
     ``torch.compile(forward)``, and that of the final norm before it (``compile_final_norm``).
-    Idempotent; returns whether this call compiled the output projection (``False`` when already
-    compiled, or without one)."""
+    Idempotent; returns whether this call compiled the output projection."""
     compile_final_norm(model, **compile_kwargs)
     get_output = getattr(model, "get_output_embeddings", None)
-    head = get_output() if callable(get_output) else None
-    if not isinstance(head, nn.Module) or getattr(head, _COMPILED_HEAD, False):
-        return False
-    head.forward = torch.compile(head.forward, **compile_kwargs)  # type: ignore[method-assign]
-    setattr(head, _COMPILED_HEAD, True)
-    return True
+    return _compile_once(get_output() if callable(get_output) else None, "forward", _COMPILED_HEAD, compile_kwargs)
 
 
 def final_norm(model: nn.Module) -> nn.Module | None:
@@ -114,19 +98,23 @@ def final_norm(model: nn.Module) -> nn.Module | None:
 
 def compile_final_norm(model: nn.Module, **compile_kwargs: Any) -> bool:
     """Replace the ``forward`` of ``final_norm(model)`` with ``torch.compile(forward)``. Idempotent;
-    returns whether this call compiled it (``False`` when already compiled, or without a final norm)."""
-    norm = final_norm(model)
-    if norm is None or getattr(norm, _COMPILED_NORM, False):
+    returns whether this call compiled it."""
+    return _compile_once(final_norm(model), "forward", _COMPILED_NORM, compile_kwargs)
+
+
+def _compile_once(owner: Any, name: str, flag: str, compile_kwargs: dict[str, Any]) -> bool:
+    """Replace the module ``owner``'s attribute ``name`` with ``torch.compile`` of it unless ``flag`` marks
+    it done; returns whether this call did."""
+    if not isinstance(owner, nn.Module) or getattr(owner, flag, False):
         return False
-    norm.forward = torch.compile(norm.forward, **compile_kwargs)  # type: ignore[method-assign]
-    setattr(norm, _COMPILED_NORM, True)
+    setattr(owner, name, torch.compile(getattr(owner, name), **compile_kwargs))
+    setattr(owner, flag, True)
     return True
 
 
 def compile_for_training(model: nn.Module, blocks: Iterable[nn.Module], **compile_kwargs: Any) -> int:
-    """``compile_blocks(blocks)``, ``compile_loss(model)`` and ``compile_head(model)`` for training
-    ``model``, after setting its ``config.use_cache = False`` (see ``compile_blocks``). Returns the
-    number of blocks compiled by this call."""
+    """``compile_loss(model)``, ``compile_head(model)`` and ``compile_blocks(blocks)`` (whose count it
+    returns), after setting ``model.config.use_cache = False`` (see ``compile_blocks``)."""
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False  # type: ignore[union-attr]

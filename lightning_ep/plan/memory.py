@@ -44,8 +44,7 @@ class Workload:
 
     Attributes:
         micro_batch: sequences per rank per step; seq: tokens per sequence.
-        precision: Lightning's ``precision`` (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``).
-        activation_checkpointing: the strategy's argument (``False``, ``True``, ``"keep_all_to_all"``).
+        precision, activation_checkpointing: Lightning's ``precision`` and the strategy's argument.
         capacity_factor: ``MoEConfig.capacity_factor`` (``None``: dropless).
     """
 
@@ -127,7 +126,6 @@ def local_numel(param: ParamInfo, layout: Layout, rank: int = 0) -> int:
     """Elements of ``param`` that ``rank`` holds once the strategy has sharded the model."""
     if not param.shape:
         return 1
-    _, edp_index, _ = layout.coordinates(rank)
     rest = param.numel // param.shape[0] if param.shape[0] else 0
     if not param.expert:
         return _chunk(param.shape[0], layout.shard, rank % layout.shard) * rest
@@ -135,7 +133,7 @@ def local_numel(param: ParamInfo, layout: Layout, rank: int = 0) -> int:
     if not layout.experts_sharded or len(param.shape) < 2:
         return local_experts * rest
     inner = rest // param.shape[1] if param.shape[1] else 0
-    return local_experts * _chunk(param.shape[1], layout.edp, edp_index) * inner
+    return local_experts * _chunk(param.shape[1], layout.edp, layout.coordinates(rank)[1]) * inner
 
 
 def rank_params(shape: ModelShape, layout: Layout, rank: int = 0) -> RankParams:
@@ -196,19 +194,10 @@ def layer_activation_bytes(shape: ModelShape, workload: Workload, rows: int, moe
     return t * per_token + rows * per_row + t * shape.top_k * h * b
 
 
-def _expert_copies(shape: ModelShape, layout: Layout, workload: Workload, rank: int) -> int:
-    """Per MoE layer: the bf16 expert weights cast from fp32 and saved for backward, when FSDP2 does
-    not wrap the experts (``R x edp = 1``) under ``bf16-mixed`` (``GroupedExperts.compute_dtype``)."""
-    if layout.experts_sharded or workload.precision != "bf16-mixed":
-        return 0
-    per_layer = sum(local_numel(p, layout, rank) for p in shape.params if p.expert) // shape.moe_layers
-    return 2 * per_layer
-
-
 def _units(shape: ModelShape, layout: Layout, workload: Workload) -> tuple[int, int, int]:
     """Bytes FSDP2 gathers (compute dtype): the root and output head (held from forward to backward),
     one decoder layer's dense parameters, and one layer's local experts when FSDP2 wraps them."""
-    gather = workload.param_bytes if workload.precision == "32-true" else 2
+    gather = workload.compute_bytes
     head = 0 if shape.tied_embeddings else shape.vocab * shape.hidden
     root = shape.vocab * shape.hidden + shape.hidden + head
     per_layer_dense = (shape.dense_params - root) // shape.layers
@@ -227,10 +216,9 @@ def exchange_bytes(shape: ModelShape, layout: Layout, workload: Workload, rows: 
 def rank_memory(shape: ModelShape, layout: Layout, workload: Workload, rank: int = 0) -> RankMemory:
     """The memory of ``rank`` (see the module docstring) for one training step."""
     params, grads, optimizer = state_bytes(shape, layout, workload, rank)
-    expected, worst = (
-        _peak(shape, layout, workload, rank, rows_per_rank(shape, layout, workload, case))
-        for case in ("expected", "worst")
-    )
+    rows = rows_per_rank(shape, layout, workload, "expected")
+    expected = _peak(shape, layout, workload, rank, rows)
+    worst = _peak(shape, layout, workload, rank, rows_per_rank(shape, layout, workload, "worst"))
     static = params + optimizer
     return RankMemory(
         params=params,
@@ -238,7 +226,7 @@ def rank_memory(shape: ModelShape, layout: Layout, workload: Workload, rank: int
         optimizer=optimizer,
         activations=expected[1],
         activations_worst=worst[1],
-        exchange=exchange_bytes(shape, layout, workload, rows_per_rank(shape, layout, workload, "expected")),
+        exchange=exchange_bytes(shape, layout, workload, rows),
         gathered=expected[2],
         total=static + expected[0],
         total_worst=static + worst[0],
@@ -254,11 +242,11 @@ def _peak(shape: ModelShape, layout: Layout, workload: Workload, rank: int, rows
     ac = workload.activation_checkpointing
     residual = workload.param_bytes if workload.precision != "bf16-mixed" else _FP32
     moe_every = [i >= shape.layers - shape.moe_layers for i in range(shape.layers)]  # MoE layers last
-    full = [
-        layer_activation_bytes(shape, workload, rows, moe)
-        + (_expert_copies(shape, layout, workload, rank) if moe else 0)
-        for moe in moe_every
-    ]
+    # Per MoE layer: the bf16 expert weights cast from fp32 and saved for backward, when FSDP2 does not
+    # wrap the experts (``R x edp = 1``) under ``bf16-mixed`` (``GroupedExperts.compute_dtype``).
+    no_copies = layout.experts_sharded or workload.precision != "bf16-mixed"
+    copies = 0 if no_copies else 2 * (rank_params(shape, layout, rank).experts // shape.moe_layers)
+    full = [layer_activation_bytes(shape, workload, rows, moe) + (copies if moe else 0) for moe in moe_every]
     kept = exchange_bytes(shape, layout, workload, rows) if ac == "keep_all_to_all" else 0
     saved = [t * h * residual + (kept if moe else 0) for moe in moe_every] if ac else full
     root, layer_dense, layer_experts = _units(shape, layout, workload)
@@ -270,19 +258,16 @@ def _peak(shape: ModelShape, layout: Layout, workload: Workload, rank: int, rows
     # Backward, layer by layer from the last: earlier layers' saved activations, this layer's full
     # ones, the gradients made so far, FSDP2's gathered parameters (this layer and the prefetched
     # one) and unsharded gradients (with their fp32 reduce-scatter copy), the GEMMs' temporaries.
-    per_layer_grads = (grads - _head_grads(shape, layout, workload, rank)) // shape.layers
+    heads = [p for p in shape.params if not p.expert and ("embed" in p.name or "lm_head" in p.name)]
+    head_grads = sum(local_numel(p, layout, rank) for p in heads) * workload.param_bytes
+    per_layer_grads = (grads - head_grads) // shape.layers
     gathered = 2 * (layer_dense + layer_experts) + root
     unsharded_grads = (layer_dense + layer_experts) * (1 + (2 if b == 2 else 1))
     temps = rows * (6 * shape.expert_width + h) * b + t * h * _FP32
     for i in range(shape.layers - 1, -1, -1):
-        done = (shape.layers - i) * per_layer_grads + _head_grads(shape, layout, workload, rank)
+        done = (shape.layers - i) * per_layer_grads + head_grads
         acts = sum(saved[:i]) + full[i]
         phases[f"backward (layer {i})"] = (root + acts + done + gathered + unsharded_grads + temps, acts, gathered)
     phases["optimizer step"] = (grads, 0, 0)
     phase = max(phases, key=lambda name: phases[name][0])
     return (*phases[phase], phase)
-
-
-def _head_grads(shape: ModelShape, layout: Layout, workload: Workload, rank: int) -> int:
-    names = [p for p in shape.params if not p.expert and ("embed" in p.name or "lm_head" in p.name)]
-    return sum(local_numel(p, layout, rank) for p in names) * workload.param_bytes

@@ -39,7 +39,6 @@ PASSES_PER_TOKEN = 40
 A2A_LATENCY_S = 50e-6
 HOST_S_PER_STEP = 15e-3
 HOST_S_PER_LAYER = 15e-3
-_FP32 = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,8 +151,7 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardwar
     attention_flops = 3.0 * shape.layers * workload.seq * a.heads * (a.qk_head_dim + a.v_head_dim) * t
     dense_s = 6.0 * dense_active * t / (hw.dense_tflops * 1e12)
     dense_s += attention_flops / (ATTENTION_EFFICIENCY * hw.dense_tflops * 1e12)
-    # Activation checkpointing runs each decoder layer's forward again in backward: a third more.
-    recompute = 4.0 / 3.0 if workload.activation_checkpointing else 1.0
+    recompute = 4.0 / 3.0 if workload.activation_checkpointing else 1.0  # each layer's forward again
     compute = (expert_s + dense_s) * fp32_slowdown * recompute
     streamed = float(shape.moe_layers * PASSES_PER_ROW * rows * h * b + shape.layers * PASSES_PER_TOKEN * t * h * b)
     streamed *= recompute
@@ -161,27 +159,23 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardwar
     local = rank_params(shape, layout).total
     streamed += local * (7 * workload.param_bytes)  # AdamW reads p, g, m, v and writes p, m, v
     if workload.precision == "bf16-mixed":  # fp32 weights cast to bf16 for forward and again for backward
-        streamed += 2 * local * (_FP32 + 2)
-    memory = streamed / (hw.hbm_gbps * 1e9)
+        streamed += 2 * local * (4 + 2)
     a2a_bytes = all_to_all_bytes(shape, layout, workload)
     a2a = shape.moe_layers * _a2a_seconds(a2a_bytes, layout, hw)
-    gather_bytes = 2 if workload.precision != "32-true" else 4
-    dense_full = shape.dense_params
-    expert_full = shape.expert_params // layout.degree
-    fsdp = 2 * _collective_seconds(dense_full * gather_bytes, layout.shard, layout, hw)  # forward, backward
+    dense_full, expert_full = shape.dense_params, shape.expert_params // layout.degree
+    fsdp = 2 * _collective_seconds(dense_full * b, layout.shard, layout, hw)  # forward, backward
     fsdp += _collective_seconds(dense_full * 4, layout.shard, layout, hw)  # fp32 reduce-scatter
     if layout.experts_sharded:
-        fsdp += 2 * _collective_seconds(expert_full * gather_bytes, layout.edp, layout, hw, layout.degree)
+        fsdp += 2 * _collective_seconds(expert_full * b, layout.edp, layout, hw, layout.degree)
         fsdp += _collective_seconds(expert_full * 4, layout.edp, layout, hw, layout.degree)
     if layout.replicate_degree > 1:  # HSDP: all-reduce of each rank's fp32 gradient shard across replicas
         rate = hw.network_gbps if layout.world > layout.gpus_per_node else hw.allgather_gbps
         fsdp += 2 * local * 4 * (layout.replicate_degree - 1) / layout.replicate_degree / (rate * 1e9)
-    exposed = max(0.0, fsdp - compute)
     return StepTime(
         compute_s=compute,
-        memory_s=memory,
+        memory_s=streamed / (hw.hbm_gbps * 1e9),
         all_to_all_s=a2a * recompute if workload.activation_checkpointing is True else a2a,
-        fsdp_exposed_s=exposed,
+        fsdp_exposed_s=max(0.0, fsdp - compute),
         host_s=HOST_S_PER_STEP + HOST_S_PER_LAYER * shape.layers * recompute,
         all_to_all_bytes=a2a_bytes,
         all_to_all_crosses_nodes=layout.spans_nodes(layout.degree),

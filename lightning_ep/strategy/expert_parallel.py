@@ -93,7 +93,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             two CPU runs give bitwise-identical losses (see the README for GPU).
         tensor_parallel_size: must be 1; tensor parallelism alongside EP is not supported.
         process_group_backend: ``"nccl"``, ``"gloo"``, or ``None`` for the device's default.
-        timeout: collective timeout (a ``datetime.timedelta``).
         moe_model: attribute path of the Hugging Face MoE model to parallelise when the module holds
             several (``lightning_ep.strategy.model_selection``).
         plan_batch: ``(micro_batch, seq)`` per GPU that ``degree="auto"`` plans the memory for.
@@ -169,8 +168,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
 
     @override
     def set_world_ranks(self) -> None:
-        """Also check the layout and the precision against the Trainer's arguments, which Lightning has
-        given the strategy by now, inside ``Trainer.__init__``."""
+        """Also check the layout and the precision against the Trainer's arguments (``Trainer.__init__``)."""
         super().set_world_ranks()
         with shown_once(self.global_rank):
             check_precision(self.precision_plugin.precision)
@@ -237,12 +235,20 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             self.resolved = resolve_for(self, selection.model)
         self._parallelize(selection.model)
         shard_dense_modules(list(selection.extras.values()), self.device_mesh, **fsdp_options(self))
+        # The parameters' dtype under the Trainer's precision (``*-mixed``: fp32 master weights).
+        dtypes = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+        dtype = dtypes.get(str(getattr(self.precision_plugin, "precision", "32-true")), torch.float32)
         for part in (selection.model, *selection.others.values(), *selection.extras.values()):
-            materialize_if_meta(part, self.root_device, pretrained_dtype=self._parameter_dtype())
+            materialize_if_meta(part, self.root_device, pretrained_dtype=dtype)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         check_all_sharded(module)
-        self._configure_moe_layers(trainer)
+        # Lightning divides the loss by accumulate_grad_batches; the router losses must follow.
+        scale = 1.0 / trainer.accumulate_grad_batches if module.automatic_optimization else 1.0
+        for layer in self._layers():
+            layer.loss_scale = scale
+            layer.check_finite = self.check_finite
+            layer.keep_all_to_all = self.activation_checkpointing == "keep_all_to_all"
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -251,8 +257,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             self._bias_hooks = update_biases_after_each_step(self.optimizers, selection.model)
         rank_zero_info(self.resolved.table())  # once the optimizers exist: the fused_adamw row reports them
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING:  # as ModelParallelStrategy.setup, but not steps and DTensors
+            for state in [s for optimizer in self.optimizers for s in optimizer.state.values()]:
+                for key, value in state.items():
+                    if key != "step" and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                        state[key] = value.to(self.root_device)
         self._step_checks.release()
         self._step_checks = StepChecks(
             check_finite=self.check_finite, log_losses=self.log_moe_losses, precision=self.precision_plugin.precision
@@ -270,11 +279,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         """Lightning's plugin for the Trainer's precision, as its subclass that clips gradients across
         meshes (``lightning_ep.strategy.step_checks.mesh_aware``)."""
         ModelParallelStrategy.precision_plugin.fset(self, None if plugin is None else mesh_aware(plugin))  # type: ignore[attr-defined]
-
-    def _parameter_dtype(self) -> torch.dtype:
-        """The parameters' dtype under the Trainer's precision (``*-mixed``: fp32 master weights)."""
-        dtypes = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
-        return dtypes.get(str(getattr(self.precision_plugin, "precision", "32-true")), torch.float32)
 
     def _parallelize(self, hf_model: nn.Module) -> None:
         """Transform, optionally checkpoint, and shard ``hf_model`` (idempotent). Packed rows are masked
@@ -304,15 +308,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             blocks = shard_named_blocks(hf_model, mesh, **fsdp_options(self), in_place_on_one_rank=single_rank)
         if self.resolved is not None and self.resolved.compile:
             compile_for_training(hf_model, blocks)
-
-    def _configure_moe_layers(self, trainer: pl.Trainer) -> None:
-        # Lightning divides the loss by accumulate_grad_batches; the router losses must follow.
-        module = self.lightning_module
-        scale = 1.0 / trainer.accumulate_grad_batches if module is not None and module.automatic_optimization else 1.0
-        for layer in self._layers():
-            layer.loss_scale = scale
-            layer.check_finite = self.check_finite
-            layer.keep_all_to_all = self.activation_checkpointing == "keep_all_to_all"
 
     def _layers(self) -> list[MoELayer]:
         return moe_layers(self._hf_model) if self._hf_model is not None else []
@@ -377,15 +372,13 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        module = self.lightning_module
-        if module is not None:
-            self._step_checks.after_forward(self._layers(), module, self.root_device)
+        if self.lightning_module is not None:
+            self._step_checks.after_forward(self._layers(), self.lightning_module, self.root_device)
         return output
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """The precision plugin's step, whose closure (forward and backward) is followed by the step
-        checks: the non-finite flags, the row budgets and the MoE losses' logging (``StepChecks``)."""
+        """The precision plugin's step, with ``StepChecks`` run after its closure (forward and backward)."""
 
         def checked() -> Any:
             result = closure()
@@ -393,13 +386,3 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             return result
 
         return super().optimizer_step(optimizer, checked, model, **kwargs)
-
-
-def _optimizers_to_device(optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
-    """Move optimizer state to ``device`` as ``ModelParallelStrategy.setup`` does, except the ``step``
-    counts and DTensors (placed by their mesh)."""
-    for optimizer in optimizers:
-        for state in optimizer.state.values():
-            for key, value in state.items():
-                if key != "step" and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                    state[key] = value.to(device)

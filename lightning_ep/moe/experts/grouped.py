@@ -46,18 +46,15 @@ def compute_weights(weights: Sequence[torch.Tensor], dtype: torch.dtype | None) 
     return local if dtype is None else [cast_for_compute(w, dtype) for w in local]
 
 
+#: The row dtypes ``grouped_mm`` takes, by device type.
+_GROUPED_MM_DTYPES = {"cuda": (torch.bfloat16, torch.float16), "cpu": (torch.float32, torch.bfloat16, torch.float16)}
+
+
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
     """Whether ``grouped_mm`` runs for these operands: dtype and device supported, rows 16-byte aligned
     (``dtype``: the weights' dtype in the GEMMs, when they are cast to it; ``None``: their own)."""
-    if GROUPED_MM is None:
-        return False
-    if x.device.type == "cuda":
-        dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-    elif x.device.type == "cpu":
-        dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    else:
-        return False
-    if torch.compiler.is_compiling():
+    dtypes = _GROUPED_MM_DTYPES.get(x.device.type, ()) if GROUPED_MM is not None else ()
+    if dtypes and torch.compiler.is_compiling():
         dtypes = (torch.bfloat16,)  # what the operator's meta function takes (torch 2.11-2.13)
     if x.dtype not in dtypes or any((dtype or w.dtype) != x.dtype for w in weights):
         return False
@@ -103,8 +100,7 @@ class RoutedExperts(nn.Module):
         )
 
     #: Size of an average expert's first GEMM (GFLOP: 2 x mean rows x that weight's elements) from
-    #: which ``use_grouped_mm=None`` runs one cuBLAS GEMM per expert instead of the grouped GEMM, on
-    #: CUDA with host counts (``prefers_per_expert``). ``None``: never.
+    #: which ``use_grouped_mm=None`` picks the per-expert GEMMs (``prefers_per_expert``); ``None``: never.
     per_expert_min_gflop: float | None = None
 
     def run(

@@ -118,12 +118,8 @@ class TopKRouter(nn.Module):
     ``"balanced"`` mode without a correction bias, this library's ``expert_bias [E]`` buffer.
 
     Args:
-        top_k: experts per token ``K``.
-        mode: ``MoEConfig.moe_load_balancing``.
         normalize_weights: renormalise the top-k weights to sum to one (``"topk_softmax"``'s do).
         router_dtype: fp32 or fp64; logits, scores and Sinkhorn run in it.
-        sinkhorn_iterations: iterations of ``sinkhorn_log``.
-        scoring: ``"softmax"``, ``"sigmoid"`` or ``"topk_softmax"`` (see the module docstring).
         n_group, topk_group: selection keeps ``topk_group`` of ``n_group`` expert groups (``n_group=1``: all).
         scaling_factor: multiplies the combine weights (DeepSeek's ``routed_scaling_factor``).
     """
@@ -183,22 +179,16 @@ class TopKRouter(nn.Module):
         self.n_group = n_group
         self.topk_group = topk_group
         self.scaling_factor = float(scaling_factor)
-        # Name of the selection-only bias buffer, if any (see ``selection_bias``).
-        self.bias_name: str | None = None
+        self.bias_name: str | None = None  # the selection-only bias buffer's, if any (``selection_bias``)
+        zeros_E = torch.zeros(num_experts, dtype=torch.float32, device=weight.device)
         if e_score_correction_bias is not None:
             self.register_buffer("e_score_correction_bias", e_score_correction_bias)
             self.bias_name = "e_score_correction_bias"
         elif mode == "balanced":
-            # Persistent: the bias is trained state and must survive checkpoints.
-            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=weight.device))
+            self.register_buffer("expert_bias", zeros_E.clone())  # persistent: trained state, kept in checkpoints
             self.bias_name = "expert_bias"
         if mode == "balanced":
-            # Not persistent: tokens counted since the last ``update_bias``.
-            self.register_buffer(
-                "pending_load",
-                torch.zeros(num_experts, dtype=torch.float32, device=weight.device),
-                persistent=False,
-            )
+            self.register_buffer("pending_load", zeros_E, persistent=False)  # tokens since the last update_bias
 
     @property
     def frozen(self) -> bool:
@@ -270,8 +260,7 @@ class TopKRouter(nn.Module):
         return self._plain_selection(scores_TE)
 
     def _plain_selection(self, scores_TE: torch.Tensor) -> torch.Tensor:
-        """The selection scores of every mode but training ``"sinkhorn"``: the scores plus the
-        selection bias, group-limited."""
+        """The selection scores of every mode but training ``"sinkhorn"``: scores + selection bias, group-limited."""
         selection_TE = scores_TE.detach()
         bias = self.selection_bias
         if bias is not None:
