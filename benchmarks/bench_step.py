@@ -39,7 +39,9 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   ``--balancing``; ``+lora`` trains PEFT LoRA adapters only (``peft.get_peft_model`` in
   ``configure_model``: rank 16, alpha 32, on ``q/k/v/o_proj`` and on ``experts.gate_up_proj`` /
   ``experts.down_proj`` through ``target_parameters``; on ``eager`` / ``grouped_mm`` rows that is HF
-  + PEFT under FSDP2, on ``ep:`` rows this library's expert-stacked adapters); ``@reference`` (or
+  + PEFT under FSDP2, on ``ep:`` rows this library's expert-stacked adapters); ``+fp8`` / ``+mxfp4``
+  (``ep:`` rows with ``+lora``) keep the frozen expert weights in that format
+  (``ExpertParallelStrategy(frozen_experts=...)``); ``@reference`` (or
   another of ``_variants.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
@@ -422,6 +424,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
             reshard_after_forward=False if "zero2" in options else None,
             execution=execution_of(base, options, args, shape),
             activation_checkpointing=checkpointing,  # type: ignore[arg-type]
+            frozen_experts=next((o for o in options if o in ("fp8", "mxfp4")), None),  # type: ignore[arg-type]
         )
     elif base == "hf_ep":
         strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world())
@@ -520,6 +523,7 @@ ROW_LABELS = {
 ROW_OPTIONS = frozenset(
     {"eager", "compile", "compile_dense", "graph", "nograph", "dedup", "budget", "autobudget", "adamw", "prefetch"}
     | {"ac", "ac_keep", "zero2", "zero3", "monitor", "manualgc", "lora", "none", "aux_loss", "sinkhorn", "balanced"}
+    | {"fp8", "mxfp4"}
 )
 
 
@@ -537,6 +541,9 @@ def row_problem(row: str) -> str | None:
         return f"row {row!r}: unknown variant {code!r}; the variants are {list(VARIANTS)}"
     if {"graph", "nograph"} <= set(options):
         return f"row {row!r}: +graph and +nograph contradict each other; pass one"
+    frozen = [o for o in options if o in ("fp8", "mxfp4")]
+    if frozen and (not base.startswith("ep:") or "lora" not in options or len(frozen) > 1):
+        return f"row {row!r}: +{frozen[0]} keeps frozen experts quantized: pass one format, on an ep: row with +lora"
     modes = [o for o in options if o in ("none", "aux_loss", "sinkhorn", "balanced")]
     if len(modes) > 1:
         return f"row {row!r}: balancing modes {modes} contradict each other; pass one"

@@ -31,6 +31,7 @@ from torch import nn
 from lightning_ep.models.peft_lora import peft_configs
 from lightning_ep.models.registry import MoEShape
 from lightning_ep.moe.config import MoEConfig, config_differences
+from lightning_ep.moe.experts.frozen import FrozenExpertWeight
 from lightning_ep.moe.layer import MoELayer
 
 RECORD_KEY = "lightning_ep"
@@ -81,12 +82,18 @@ def make_record(config: MoEConfig, model: nn.Module) -> dict[str, Any]:
     """The record saved under ``checkpoint[RECORD_KEY]`` for a run of ``model`` under ``config``; for a
     PEFT LoRA model with its ``LoraConfig`` as JSON, for ``python -m lightning_ep.export``."""
     record: dict[str, Any] = {"format": RECORD_FORMAT, "moe_config": asdict(config), "moe_shape": moe_shape(model)}
+    record["frozen_experts"] = frozen_format(model)
     lora = peft_configs(model)
     if lora:
         from lightning_ep.models.lora_export import lora_config_to_json
 
         record["lora_config"] = lora_config_to_json(next(iter(lora.values())))
     return record
+
+
+def frozen_format(model: nn.Module) -> str | None:
+    """The format ``model`` keeps its frozen expert weights in (``moe.experts.frozen``), ``None`` for none."""
+    return next((m.format for m in model.modules() if isinstance(m, FrozenExpertWeight)), None)
 
 
 def read_record(path: Path, weights_only: bool | None = None) -> dict[str, Any] | None:
@@ -128,6 +135,14 @@ def check_record(
     ``allowed`` names the difference."""
     if record is None:
         return
+    saved_format, now_format = record.get("frozen_experts"), frozen_format(model)
+    if saved_format != now_format:  # the state dict's expert keys differ: nothing could be loaded
+        saved_words, now_words = (f or "the parameters' dtype" for f in (saved_format, now_format))
+        raise ValueError(
+            f"checkpoint {str(path)!r} keeps its frozen expert weights in {saved_words}, this run in {now_words}; "
+            f"resume with ExpertParallelStrategy(frozen_experts={saved_format!r}). To change the format, export the "
+            "checkpoint (python -m lightning_ep.export) and start from that folder."
+        )
     saved_config = record.get("moe_config", {})
     differences = {  # name: (label, saved, this run's)
         name: (f"MoEConfig.{name}", saved, now)

@@ -55,6 +55,11 @@ _SWITCHES = ("compile", "cuda_graphs", "token_dedup", "single_rank_fsdp", "fused
 #: Elements of one routed expert's gate/up weight (``2I x H``) from which the experts count as large:
 #: Mixtral-8x7B's 117 M are, DeepSeek-V3's 29 M and the finer families' are not.
 LARGE_EXPERT_ELEMENTS = 2**25
+#: The setup table's words for the strategy's ``frozen_experts`` formats.
+FROZEN_FORMATS = {
+    "fp8": "FP8 e4m3 with 128 x 128 block scales; dequantized per layer, forward and backward",
+    "mxfp4": "MXFP4: E2M1 values, an E8M0 scale per 32; dequantized per layer, forward and backward",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +116,7 @@ class Environment:
     accumulate_grad_batches: int = 1
     reshard_after_forward: bool | None = None  # the strategy's argument; None: not given
     expert_elements: int = 0  # one routed expert's gate/up weight (2I x H), the largest; 0: unknown
+    frozen_experts: str | None = None  # the strategy's frozen_experts: the format frozen expert weights are kept in
     optimizers: tuple[str, ...] | None = None  # by class (execution.environment.optimizer_names); None: not set up
 
     @property
@@ -260,6 +266,7 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
         precision=env.precision,
         activation_checkpointing=env.activation_checkpointing,
         lora_ranks=env.lora_ranks,
+        frozen_experts=env.frozen_experts,
     )
     if isinstance(execution.cuda_graphs, bool):
         if execution.cuda_graphs and graphs_blocker is not None:
@@ -281,6 +288,8 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
         rows.append(Choice("cuda_graphs", _on(graphs), reason))
 
     single_rank = _single_rank_fsdp(execution.single_rank_fsdp, env, rows)
+    if env.frozen_experts is not None:
+        rows.append(Choice("frozen_experts", env.frozen_experts, FROZEN_FORMATS[env.frozen_experts]))
 
     fused_adamw, row = _fused_adamw(execution.fused_adamw, env)
     rows += row

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lightning_ep.moe.dispatch.base import LocalDispatcher
+from lightning_ep.moe.experts.frozen import FrozenExpertWeight
 from lightning_ep.moe.layer import MoELayer
 
 _ROUTER_LOGITS = "router_logits"
@@ -91,6 +92,8 @@ def _init_weights(self: nn.Module, module: nn.Module) -> None:
     if not isinstance(replaced, Replaced):
         init(self, module)
         return
+    if any(isinstance(m, FrozenExpertWeight) for m in module.children()):
+        return  # weights kept quantized: models.init.init_moe_weights fills them, one expert at a time
     with replaced.lent(module) as shell:
         init(self, shell)
     with torch.no_grad():
@@ -154,6 +157,8 @@ class TransformersExperts:
         fix = "Call model.set_experts_implementation('lightning_ep') to use lightning_ep's experts."
         if getattr(layer.experts, "lora_scaling", None):
             raise ValueError(f"{said} would compute the experts without their LoRA adapters. {fix}")
+        if any(isinstance(m, FrozenExpertWeight) for m in layer.experts.children()):
+            raise ValueError(f"{said} cannot read expert weights kept quantized (frozen_experts). {fix}")
         if not isinstance(layer.dispatcher, LocalDispatcher):
             raise ValueError(
                 f"{said} compute every expert on one process without a capacity; this layer's dispatch is "

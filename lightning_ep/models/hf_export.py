@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ep.moe.quantized import FP8_BLOCK, dequantize_fp8_block, dequantize_mxfp4
+
 # Persistent buffers this library adds to Hugging Face modules ("balanced" mode's router bias).
 LIBRARY_BUFFERS = ("expert_bias",)
 # Files of a Hugging Face folder, besides weights and config.json, that export_hf copies along.
@@ -108,6 +110,7 @@ def export_hf(
 
     def write() -> None:
         full = state if state is not None else _read_checkpoint(source)  # type: ignore[arg-type]
+        full = _dequantize_frozen(full, config)
         names_prefix = prefix
         if lora_config is not None:
             from lightning_ep.models.lora_export import merged_state
@@ -306,6 +309,29 @@ def detect_prefix(keys: list[str] | set[str], hf_keys: Mapping[str, Any] | set[s
             f"{tied}; pass prefix= (--prefix on the command line) to choose one."
         )
     return tied[0]
+
+
+def _dequantize_frozen(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    """``state`` with each frozen expert weight kept quantized (``moe.experts.frozen``: ``<w>.data`` +
+    ``<w>.scale_inv``, or ``<w>.blocks`` + ``<w>.scales``) as ``<w>`` in fp32, exactly its values."""
+    from lightning_ep.models.registry import FAMILIES, supported_model_types
+
+    supported_model_types()  # registers the families
+    family = FAMILIES.get(str(getattr(config, "model_type", "")))
+    transposed = family is not None and family.expert_layout == "interleaved"
+    out = dict(state)
+    for key in [k for k in state if k.endswith((".data", ".blocks"))]:
+        weight, _, kind = key.rpartition(".")
+        if kind == "data" and f"{weight}.scale_inv" in state:
+            data = torch.as_tensor(state[key]).view(torch.float8_e4m3fn)
+            out[weight] = dequantize_fp8_block(data, out.pop(f"{weight}.scale_inv"), FP8_BLOCK, (0, 0), torch.float32)
+        elif kind == "blocks" and f"{weight}.scales" in state:
+            values = dequantize_mxfp4(state[key], out.pop(f"{weight}.scales"), torch.float32)
+            out[weight] = values.transpose(-1, -2).contiguous() if transposed else values
+        else:
+            continue
+        del out[key]
+    return out
 
 
 def _drop_library_buffers(state: dict[str, Any], expected: Mapping[str, Any]) -> dict[str, Any]:

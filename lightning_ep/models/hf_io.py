@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_ep.models.hf_export import LIBRARY_BUFFERS, PathLike, detect_prefix, export_hf
-from lightning_ep.models.hf_layout import FolderLayout, Stacked, Whole, layout, source_keys, source_shape
-from lightning_ep.models.hf_stored import Encoded, Opener
+from lightning_ep.models.hf_layout import FolderLayout, Source, Stacked, Whole, layout, source_keys, source_shape
+from lightning_ep.models.hf_stored import MXFP4, BlockFP8, Encoded, Opener
+from lightning_ep.moe.experts.frozen import FrozenExpertWeight
+from lightning_ep.moe.quantized import FP8_BLOCK, scale_values
 
 # Rows of a block dequantized and copied at a time: bounds the transient fp32 copy of a large block.
 CHUNK_BYTES = 64 << 20
@@ -89,11 +92,12 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
                 f"load_pretrained_sharded: {config_file} has model_type={theirs!r} but the model is a "
                 f"{mine!r} ({type(model).__name__}); pass a folder saved from a {mine} model."
             )
-    tensors = _tensors_to_load(model)
+    tensors, frozen = _tensors_to_load(model)
     get_base_model = getattr(model, "get_base_model", None)  # PEFT's: its conversion rules and config apply
     hf_model = get_base_model() if callable(get_base_model) else model
-    found = layout(hf_model, folder, [name for names, _ in tensors for name in names])
+    found = layout(hf_model, folder, [name for names, _ in [*tensors, *frozen] for name in names])
     reads = [read for names, tensor in tensors for read in _plan_tensor(names, tensor, found)]
+    frozen_reads = [_plan_frozen(names[0], weight, found) for names, weight in frozen]
     if found.unmatched:
         unexpected = sorted(found.unmatched)
         raise ValueError(
@@ -106,23 +110,34 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
     if ignored is not None and (not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0):
         warnings.warn(ignored, stacklevel=2)
     _read_all(reads)
+    with closing(Opener()) as opener:
+        for load in frozen_reads:
+            load(opener)
     return model
 
 
-def _tensors_to_load(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+def _hf_name(name: str) -> str:
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def _tensors_to_load(
+    model: nn.Module,
+) -> tuple[list[tuple[list[str], torch.Tensor]], list[tuple[list[str], FrozenExpertWeight]]]:
     """State-dict entries grouped by tensor identity (tied weights: several names), without this
     library's buffers and LoRA factors, which Hugging Face folders do not have; a PEFT-wrapped model's
-    names lose ``base_model.model.`` and ``base_layer``."""
+    names lose ``base_model.model.`` and ``base_layer``. Then the frozen expert weights kept quantized,
+    under the name of the weight each holds."""
     library = {name for name, _ in model.named_buffers() if name.rpartition(".")[2] in LIBRARY_BUFFERS}
+    frozen = [(name, m) for name, m in model.named_modules() if isinstance(m, FrozenExpertWeight)]
+    library.update(f"{name}.{buffer}" for name, m in frozen for buffer, _ in m.named_buffers())
     groups: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         # A LoRA factor: ``q_proj.lora_A.default.weight``, an expert's ``gate_up_proj_lora_A``.
         adapter = any(part.startswith("lora_") or "_lora_" in part for part in name.split("."))
         if name in library or not isinstance(tensor, torch.Tensor) or adapter:
             continue
-        hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        groups.setdefault(id(tensor), ([], tensor))[0].append(hf_name)
-    return list(groups.values())
+        groups.setdefault(id(tensor), ([], tensor))[0].append(_hf_name(name))
+    return list(groups.values()), [([_hf_name(name)], m) for name, m in frozen]
 
 
 def _local_shard(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -212,6 +227,111 @@ def _plan_experts(
                 reads.append(_Read(part, (slice(lo - base, hi - base), col_box), dst))
             base += part_rows
     return reads
+
+
+def _plan_frozen(name: str, weight: FrozenExpertWeight, found: FolderLayout) -> Callable[[Opener], None]:
+    """The load of this rank's experts of a frozen weight kept quantized: the folder's FP8 blocks or
+    MXFP4 bytes copied as they are when they are in the weight's format, else each expert read in fp32
+    (dequantized if stored so) and quantized, one expert at a time."""
+    source = found.sources.get(name)
+    if source is None:
+        raise ValueError(
+            f"load_pretrained_sharded: {found.folder} has no weight for the model's {name!r}; the folder was saved "
+            f"from a different model. {_rebuild_hint(found.folder)}"
+        )
+    first = _frozen_first_expert(weight)
+    local = weight.stored()
+    count = next(iter(local.values())).shape[0]
+    _, rows, cols = weight.shape
+    if isinstance(source, Whole) and source.source.shape != tuple(weight.shape):
+        raise ValueError(
+            f"load_pretrained_sharded: {source_keys(source)[0]!r} has shape {list(source.source.shape)} but the "
+            f"model's {name!r} is {list(weight.shape)}; the model was built from another config. "
+            f"{_rebuild_hint(found.folder)}"
+        )
+    raw = _raw_parts(source, weight)
+    if raw is not None:
+
+        def copy(opener: Opener) -> None:
+            for e in range(count):
+                for part, row0, part_rows in raw[first + e]:
+                    _copy_raw(opener, part, weight, e, first + e, row0, part_rows)
+
+        return copy
+    buffer = torch.empty(1, rows, cols, dtype=torch.float32, device=next(iter(local.values())).device)
+    plans = [
+        _plan_experts(
+            name, tuple(weight.shape), buffer, (slice(e, e + 1), slice(0, rows), slice(0, cols)), source, found.folder
+        )
+        if isinstance(source, Stacked)
+        else [_Read(source.source, (slice(e, e + 1), slice(0, rows), slice(0, cols)), buffer)]
+        for e in range(first, first + count)
+    ]
+
+    def quantize(opener: Opener) -> None:
+        for e, reads in enumerate(plans):
+            _read_all(reads)
+            weight.store_(buffer, e)
+
+    return quantize
+
+
+def _frozen_first_expert(weight: FrozenExpertWeight) -> int:
+    """The global index of this rank's first expert of ``weight``."""
+    buffer = next(iter(weight.buffers()))
+    if not isinstance(buffer, DTensor):
+        return 0
+    _, offset = compute_local_shape_and_global_offset(buffer.shape, buffer.device_mesh, buffer.placements)
+    return int(offset[0])
+
+
+def _raw_parts(source: Source, weight: FrozenExpertWeight) -> list[list[tuple[Encoded, int, int]]] | None:
+    """Per expert, ``(stored part, first row, rows)`` to copy as they are into ``weight``'s format, or
+    ``None`` when the folder's encoding is not that format (or its blocks do not line up)."""
+    experts: list[tuple[Encoded, ...]]
+    if isinstance(source, Whole):
+        experts = [(source.source,)] * weight.shape[0]
+    else:
+        experts = [tuple(parts) for parts in source.parts]
+    out: list[list[tuple[Encoded, int, int]]] = []
+    for parts in experts:
+        row0, rows = 0, list[tuple[Encoded, int, int]]()
+        for part in parts:
+            part_rows = part.shape[-2]
+            if weight.format == "fp8":
+                aligned = row0 % FP8_BLOCK[0] == 0 and (part_rows % FP8_BLOCK[0] == 0 or part is parts[-1])
+                if not (isinstance(part, BlockFP8) and _same_grid(part) and aligned):
+                    return None
+            elif not (isinstance(part, MXFP4) and isinstance(source, Whole) and weight.transposed):
+                return None
+            rows.append((part, row0, part_rows))
+            row0 += part_rows
+        out.append(rows)
+    return out
+
+
+def _same_grid(part: BlockFP8) -> bool:
+    """Whether ``part``'s scale blocks are ``FP8_BLOCK``'s (one scale for a part within one block is)."""
+    return part.block == FP8_BLOCK or (part.block == part.shape[-2:] and all(map(int.__le__, part.block, FP8_BLOCK)))
+
+
+def _copy_raw(
+    opener: Opener, part: Encoded, weight: FrozenExpertWeight, local: int, expert: int, row0: int, rows: int
+) -> None:
+    """Copy expert ``expert``'s stored bytes of ``part`` (rows ``row0 ..``) into local expert ``local``."""
+    stored = weight.stored()
+    lead = (slice(expert, expert + 1),) if len(part.shape) == 3 else ()  # a fused [E, R, C] tensor, or one expert's
+    if isinstance(part, BlockFP8):
+        data = opener.read(part.data, (*lead, slice(0, rows), slice(0, weight.shape[2])))
+        scale = opener.read(part.scale, (*lead, *(slice(0, n) for n in part.scale.shape[len(lead) :])))
+        stored["data"][local, row0 : row0 + rows] = data.reshape(rows, -1).view(torch.uint8)
+        grid_rows, grid0 = -(-rows // FP8_BLOCK[0]), row0 // FP8_BLOCK[0]
+        stored["scale_inv"][local, grid0 : grid0 + grid_rows] = scale_values(scale).reshape(grid_rows, -1)
+    else:
+        assert isinstance(part, MXFP4)
+        blocks = opener.read(part.blocks, (*lead, *(slice(0, n) for n in part.blocks.shape[1:])))
+        scales = opener.read(part.scales, (*lead, *(slice(0, n) for n in part.scales.shape[1:])))
+        stored["blocks"][local], stored["scales"][local] = blocks[0], scales[0]
 
 
 def _rebuild_hint(folder: Path) -> str:

@@ -1,5 +1,5 @@
 """How a Hugging Face folder stores its tensors (``Stored``), read one block at a time (``Opener``),
-and their encodings (``Plain``, ``BlockFP8``, ``MXFP4``; the formats are in ``models.quantized``)."""
+and their encodings (``Plain``, ``BlockFP8``, ``MXFP4``; the formats are in ``moe.quantized``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lightning_ep.models.quantized import MXFP4_GROUP, dequantize_fp8_block, dequantize_mxfp4
+from lightning_ep.moe.quantized import MXFP4_GROUP, dequantize_fp8_block, dequantize_mxfp4
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from lightning_ep.models.peft_lora import reset_lora_parameters
+from lightning_ep.moe.experts.frozen import FrozenExpertWeight
 from lightning_ep.moe.experts.grouped import RoutedExperts
 from lightning_ep.moe.routing.router import TopKRouter
 
@@ -26,6 +27,8 @@ def init_moe_weights(model: nn.Module) -> None:
                 module.selection_bias.zero_()
             if module.mode == "balanced":
                 module.pending_load.zero_()
+        elif isinstance(module, FrozenExpertWeight):
+            module.init_normal_(std)
         elif isinstance(module, RoutedExperts):
             for name, param in module.named_parameters(recurse=False):
                 if "_lora_" in name:

@@ -80,6 +80,7 @@ def graphs_blocker(
     precision: str | None = None,
     activation_checkpointing: bool | str = False,
     lora_ranks: tuple[int, ...] = (),
+    frozen_experts: str | None = None,
 ) -> str | None:
     """What keeps CUDA graphs (``LayerExecution.cuda_graphs``) from applying, in words, or ``None``: the
     one place their preconditions are decided. ``static_plan``: the dispatch above degree 1 is the
@@ -90,6 +91,8 @@ def graphs_blocker(
         return f"bf16 experts (precision is {precision})"
     if activation_checkpointing:
         return "no activation checkpointing"
+    if frozen_experts is not None:  # dequantized in saved-tensor hooks, which no capture has been shown to replay
+        return f"expert weights in the compute dtype (frozen_experts={frozen_experts!r})"
     if config.capacity_factor is not None:
         return "a dropless dispatch (capacity_factor is set)"
     unaligned = sorted({r for r in lora_ranks if r % 8})

@@ -76,7 +76,7 @@ def shard_model(
     for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
         if isinstance(layer.experts, FSDPModule):
             continue
-        if not isinstance(layer.experts.gate_up_proj, DTensor):
+        if not any(isinstance(t, DTensor) for t in (*layer.experts.parameters(), *layer.experts.buffers())):
             raise RuntimeError(
                 "shard_model: the MoE layers are not expert-parallel yet; call "
                 "lightning_ep.transform(model, config, mesh=mesh) before shard_model."

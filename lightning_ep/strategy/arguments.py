@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning_ep.execution.choices import Execution
 from lightning_ep.moe.config import MoEConfig
+from lightning_ep.moe.experts.frozen import FORMATS
 from lightning_ep.parallel.mesh import check_layout
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
@@ -23,6 +24,7 @@ def check_arguments(
     execution: Any = None,
     timeout: Any,
     moe_model: Any = None,
+    frozen_experts: Any = None,
 ) -> None:
     """The checks of ``ExpertParallelStrategy.__init__``'s arguments that need nothing else."""
     if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
@@ -56,6 +58,17 @@ def check_arguments(
         raise TypeError(
             f"ExpertParallelStrategy(timeout={timeout!r}): pass a datetime.timedelta, e.g. {example}, or None for "
             "torch's default."
+        )
+    if frozen_experts is not None and frozen_experts not in FORMATS:
+        raise ValueError(
+            f"ExpertParallelStrategy(frozen_experts={frozen_experts!r}): pass one of {list(FORMATS)} to keep frozen "
+            "expert weights (a LoRA fine-tune's) in that format, or None to keep them in the parameters' dtype."
+        )
+    if frozen_experts is not None and moe is not None and not moe.smp_moe:
+        raise ValueError(
+            f"ExpertParallelStrategy(frozen_experts={frozen_experts!r}) keeps the experts of lightning_ep's MoE layers "
+            "quantized, but MoEConfig(smp_moe=False) keeps the model's own MoE blocks; use smp_moe=True or "
+            "frozen_experts=None."
         )
     if moe_model is not None and not isinstance(moe_model, str):
         raise TypeError(

@@ -32,6 +32,7 @@ from lightning_ep.models.causal_mask import separate_packed_documents
 from lightning_ep.models.init import materialize_if_meta
 from lightning_ep.models.registry import MoEShape
 from lightning_ep.moe.config import MoEConfig
+from lightning_ep.moe.experts.frozen import keep_frozen_experts
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.balance import update_biases_after_each_step
 from lightning_ep.parallel.compile import compile_for_training
@@ -96,6 +97,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         moe_model: attribute path of the Hugging Face MoE model to parallelise when the module holds
             several (``lightning_ep.strategy.model_selection``).
         plan_batch: ``(micro_batch, seq)`` per GPU that ``degree="auto"`` plans the memory for.
+        frozen_experts: ``"fp8"`` or ``"mxfp4"`` keeps the routed-expert weights, which must be frozen
+            (a LoRA fine-tune's), in that format (``lightning_ep.moe.experts.frozen``): with no gradient
+            or optimizer state, copied as published from an FP8 / MXFP4 folder, else quantized expert
+            by expert on the rank that holds it; each layer dequantizes them into the compute dtype
+            in its forward and again in its backward. ``None``: the parameters' dtype.
 
     A configuration error is raised in full on rank 0 and as a one-line note on the other ranks
     (``lightning_ep.strategy.errors``), inside ``Trainer(...)`` already where it can.
@@ -120,6 +126,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         timeout: timedelta | None = _DEFAULT_TIMEOUT,
         moe_model: str | None = None,
         plan_batch: tuple[int, int] = (1, 4096),
+        frozen_experts: Literal["fp8", "mxfp4"] | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
@@ -140,6 +147,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 activation_checkpointing=activation_checkpointing,
                 tensor_parallel_size=tensor_parallel_size,
                 moe_model=moe_model,
+                frozen_experts=frozen_experts,
             )
             allowed = checkpoints.check_allowed(allow_moe_config_change)
         if moe is not None and not moe.smp_moe:
@@ -157,6 +165,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.deterministic = deterministic
         self.moe_model = moe_model
         self.plan_batch = plan_batch
+        self.frozen_experts = frozen_experts
         self._hf_model: nn.Module | None = None
         self._bias_hooks: list[RemovableHandle] = []
         self._step_checks = StepChecks(check_finite=check_finite, log_losses=log_moe_losses)
@@ -302,6 +311,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             with shown_once(self.global_rank):  # a degree that does not divide the expert count
                 execution = self.resolved.layers if self.resolved is not None else None
                 transform(hf_model, self.moe, mesh=mesh, execution=execution)
+                if self.frozen_experts is not None:
+                    keep_frozen_experts(hf_model, self.frozen_experts)
             shard_model(hf_model, mesh, **fsdp_options(self), in_place_on_one_rank=single_rank)
             blocks = decoder_blocks(hf_model)
         else:

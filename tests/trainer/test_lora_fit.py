@@ -30,7 +30,7 @@ def _run(cwd: Path, *args: str) -> str:
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{args}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result.stdout
+    return result.stdout + result.stderr
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
@@ -132,3 +132,26 @@ def test_lora_on_a_fine_grained_family_through_the_trainer(tmp_path: Path, preci
     column = lines[0].split(",").index("train_loss")
     losses = [float(row.split(",")[column]) for row in lines[1:] if row.split(",")[column]]
     assert len(losses) == 2 and all(0 < loss < 20 for loss in losses), losses
+
+
+def test_lora_example_with_fp8_frozen_experts(tmp_path: Path) -> None:
+    """The LoRA example with ``frozen_experts="fp8"`` on 2 processes at degree 2: the setup table says so,
+    the adapter round-trips through PEFT against the merged export, the checkpoint resumes at degree 1,
+    and a resume that does not keep the experts in FP8 is refused by name."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    fp8 = ["--trainer.strategy.init_args.frozen_experts", "fp8"]
+    fit = [str(SCRIPT), "fit", "--config", str(CONFIG), "--trainer.devices", "2"]
+    out = _run(tmp_path, *fit, "--trainer.max_steps", "3", *fp8)
+    assert "frozen_experts  fp8" in out
+    run = tmp_path / "runs" / "tiny_lora"
+    merged = _logits(AutoModelForCausalLM.from_pretrained(run / "hf"))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run / "base"), str(run / "adapter"))
+    torch.testing.assert_close(_logits(peft_model), merged, rtol=1e-5, atol=1e-5)
+
+    resume = ["--ckpt_path", str(run / "last.ckpt"), "--trainer.max_steps", "4", "--trainer.callbacks", "null"]
+    _run(tmp_path, *fit, *resume, *fp8, "--trainer.strategy.init_args.degree", "1")
+    refused = subprocess.run([sys.executable, *fit, *resume], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0
+    assert "keeps its frozen expert weights in fp8, this run in the parameters' dtype" in refused.stderr

@@ -27,7 +27,7 @@ from torch import nn
 import lightning_ep
 from lightning_ep import MoEConfig
 from lightning_ep.models.hf_io import export_hf, load_pretrained_sharded
-from lightning_ep.models.quantized import dequantize_fp8_block, dequantize_mxfp4
+from lightning_ep.moe.quantized import dequantize_fp8_block, dequantize_mxfp4
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import FAMILY_NAMES, micro_batch, rel_err, tiny_family

@@ -10,10 +10,12 @@ expert ``e`` computes ``down_proj[e] @ (act(gate_e x) * up_e x)``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch import nn
 
+from lightning_ep.moe.experts.frozen import FrozenExpertWeight, recomputed_in_backward
 from lightning_ep.moe.experts.grad_scale import with_grad_scale
 from lightning_ep.moe.experts.mlp import GROUPED_MM, grouped_mlp, grouped_mlp_forward
 from lightning_ep.moe.experts.segments import CountsOnHost, segment_linear
@@ -71,6 +73,9 @@ class RoutedExperts(nn.Module):
     #: As transformers' experts modules declare it: tools that find routed experts by it find these.
     has_gate = True
 
+    #: Whether the weights are ``[E, in, out]`` (GPT-OSS) rather than ``[E, out, in]``.
+    transposed_weights = False
+
     #: Whether ``run`` hands the grouped and per-expert functions the local weights uncast, to cast
     #: to ``compute_dtype`` themselves (``GroupedExperts``); otherwise they get the cast weights.
     casts_in_gemms = False
@@ -107,7 +112,7 @@ class RoutedExperts(nn.Module):
         self,
         x_NH: torch.Tensor,
         counts_L: torch.Tensor,
-        params: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor | FrozenExpertWeight],
         gemm_weights: tuple[int, int],
         grouped: Callable[..., torch.Tensor],
         loop: Callable[..., torch.Tensor],
@@ -116,7 +121,28 @@ class RoutedExperts(nn.Module):
         """``grouped(x_NH, counts_L, weights, grad_scale)`` or ``loop(x_NH, counts, weights, grad_scale)``
         on the local shards of ``params`` (cast to ``compute_dtype`` unless ``casts_in_gemms``); both
         multiply every weight's gradient by ``grad_scale``. ``gemm_weights``: the positions in ``params``
-        of the two GEMM matrices. ``counts_host``: ``counts_L`` on the host, else the loop reads them (one sync)."""
+        of the two GEMM matrices. ``counts_host``: ``counts_L`` on the host, else the loop reads them (one sync).
+        A ``FrozenExpertWeight`` in ``params`` is dequantized into the GEMMs' dtype for this call and again
+        for the backward (``recomputed_in_backward``)."""
+        frozen = {k: p for k, p in enumerate(params) if isinstance(p, FrozenExpertWeight)}
+        dtype = self.compute_dtype or x_NH.dtype
+        weights = [p.dequantize(dtype) if isinstance(p, FrozenExpertWeight) else p for p in params]
+        if not frozen:
+            return self._run(x_NH, counts_L, weights, gemm_weights, grouped, loop, counts_host)
+        recompute = [partial(p.dequantize, dtype) for p in frozen.values()]
+        with recomputed_in_backward([weights[k] for k in frozen], recompute):
+            return self._run(x_NH, counts_L, weights, gemm_weights, grouped, loop, counts_host)
+
+    def _run(
+        self,
+        x_NH: torch.Tensor,
+        counts_L: torch.Tensor,
+        params: Sequence[torch.Tensor],
+        gemm_weights: tuple[int, int],
+        grouped: Callable[..., torch.Tensor],
+        loop: Callable[..., torch.Tensor],
+        counts_host: Sequence[int] | None,
+    ) -> torch.Tensor:
         weights = compute_weights(params, None if self.casts_in_gemms else self.compute_dtype)
         i, j = gemm_weights
         if counts_L.shape[0] != weights[i].shape[0]:

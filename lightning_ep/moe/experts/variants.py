@@ -38,6 +38,8 @@ class InterleavedGLUExperts(RoutedExperts):
     ``use_grouped_mm``, ``grad_scale`` (on biases too) and ``compute_dtype`` as in ``GroupedExperts``.
     """
 
+    transposed_weights = True
+
     def __init__(
         self,
         gate_up_proj: nn.Parameter,

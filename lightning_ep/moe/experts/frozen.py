@@ -1,0 +1,233 @@
+"""Frozen routed-expert weights kept in FP8 or MXFP4, dequantized one layer at a time.
+
+Legend: E experts, L experts held here, R x C one expert's matrix as the experts multiply by it.
+
+A LoRA fine-tune (or one with frozen experts) never updates the expert weights, which are about 95%
+of a large MoE's parameters; ``FrozenExpertWeight`` holds such a weight as buffers in a published
+low-precision layout, with no gradient and no optimizer state:
+
+- ``"fp8"``: ``data [E, R, C]`` (float8_e4m3fn values, held as their bytes, ``uint8``, which every
+  collective and checkpoint writer takes) and ``scale_inv float32 [E, ceil(R/128), ceil(C/128)]``,
+  one scale per 128 x 128 block as DeepSeek-V3 ships them (``weight = data * scale_inv``); 1.0 byte
+  an element and a 1/4096 of it in scales.
+- ``"mxfp4"``: ``blocks uint8 [E, out, in/32, 16]`` (two E2M1 values a byte, low nibble first) and
+  ``scales uint8 [E, out, in/32]`` (E8M0 exponents, one per 32 values along ``in``), as GPT-OSS ships
+  them; 0.53 byte an element. ``in`` is the input features: ``C`` for ``[E, out, in]`` weights, ``R``
+  for GPT-OSS's transposed ``[E, in, out]`` (``transposed=True``).
+
+The experts' forward asks each weight for ``dequantize()``: its local experts in the compute dtype,
+a transient tensor. The autograd graph keeps no copy of it: ``recomputed_in_backward`` replaces every
+saved view of it by a recipe that dequantizes it again when the backward reads it. A layer's
+dequantized weights thus live during its forward and again during its backward, never between.
+
+Weights published in higher precision are quantized (``moe.quantized``) expert by expert on the
+rank that holds them; weights published in these formats are copied as they are (``models.hf_io``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from lightning_ep.moe.quantized import (
+    FP8_BLOCK,
+    MXFP4_GROUP,
+    dequantize_fp8_block,
+    dequantize_mxfp4,
+    quantize_fp8,
+    quantize_mxfp4,
+)
+
+Format = Literal["fp8", "mxfp4"]
+FORMATS: tuple[str, ...] = get_args(Format)
+#: Bytes an element of each format takes, scales included (the planner's figure).
+BYTES_PER_ELEMENT = {"fp8": 1.0 + 4.0 / (FP8_BLOCK[0] * FP8_BLOCK[1]), "mxfp4": 0.5 + 1.0 / MXFP4_GROUP}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from lightning_ep.moe.experts.grouped import local_tensor
+
+    return local_tensor(t)
+
+
+class FrozenExpertWeight(nn.Module):
+    """One frozen routed-expert weight ``[E, R, C]`` (its global shape) kept in ``format`` (see the
+    module docstring), its buffers sharded on the expert dim as the weight was. Answers ``shape``,
+    ``ndim`` and ``requires_grad`` (``False``) as the weight did.
+
+    Args:
+        format: ``"fp8"`` or ``"mxfp4"``.
+        like: the weight it replaces (a Parameter, a DTensor sharded on dim 0, or on the meta device):
+            its shape, placement and device; its values are quantized unless on the meta device.
+        transposed: the weight is ``[E, in, out]`` (GPT-OSS); MXFP4 groups run along ``in``.
+    """
+
+    requires_grad = False
+
+    def __init__(self, format: Format, like: torch.Tensor, *, transposed: bool = False) -> None:
+        super().__init__()
+        if format not in FORMATS:
+            raise ValueError(f"FrozenExpertWeight(format={format!r}): pass one of {list(FORMATS)}.")
+        if like.ndim != 3:
+            raise ValueError(f"FrozenExpertWeight: expert weights are [E, R, C], got {list(like.shape)}.")
+        self.format, self.transposed = format, transposed
+        self.global_shape = tuple(like.shape)
+        experts, rows, cols = self.global_shape
+        if format == "fp8":
+            grid = (experts, -(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
+            specs = {"data": (self.global_shape, torch.uint8), "scale_inv": (grid, torch.float32)}
+        else:
+            out, inner = (cols, rows) if transposed else (rows, cols)
+            if inner % MXFP4_GROUP:
+                raise ValueError(
+                    f"frozen_experts='mxfp4' groups {MXFP4_GROUP} input features a scale, but an expert weight "
+                    f"{list(self.global_shape)} has {inner}; use frozen_experts='fp8' for this model."
+                )
+            groups = inner // MXFP4_GROUP
+            specs = {
+                "blocks": ((experts, out, groups, MXFP4_GROUP // 2), torch.uint8),
+                "scales": ((experts, out, groups), torch.uint8),
+            }
+        local = _local(like)
+        for name, (shape, dtype) in specs.items():
+            self.register_buffer(name, _like_placed(like, (local.shape[0], *shape[1:]), shape, dtype))
+        if not like.is_meta:
+            self.store_(_local(like), 0)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.global_shape)
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        """The local buffers, by name."""
+        return {name: _local(b) for name, b in self.named_buffers(recurse=False)}
+
+    @torch.no_grad()
+    def store_(self, values: torch.Tensor, first: int) -> None:
+        """Quantize ``values [n, R, C]`` (any float dtype) into local experts ``first .. first + n - 1``."""
+        stored, rows = self.stored(), slice(first, first + values.shape[0])
+        if self.format == "fp8":
+            data, scale_inv = quantize_fp8(values)
+            stored["data"][rows], stored["scale_inv"][rows] = data.view(torch.uint8), scale_inv
+        else:
+            # quantize_mxfp4 groups along the last dim: ``in`` is C untransposed, R transposed.
+            blocks, scales = quantize_mxfp4(values if not self.transposed else values.transpose(-1, -2))
+            stored["blocks"][rows], stored["scales"][rows] = blocks, scales
+
+    @torch.no_grad()
+    def init_normal_(self, std: float) -> None:
+        """Fill the local experts with ``normal(0, std)`` values, quantized one expert at a time."""
+        count = next(iter(self.stored().values())).shape[0]
+        device = next(iter(self.stored().values())).device
+        for e in range(count):
+            self.store_(torch.randn(1, *self.global_shape[1:], device=device) * std, e)
+
+    def dequantize(self, dtype: torch.dtype, experts: slice | None = None) -> torch.Tensor:
+        """The local experts (``experts`` of them: all by default) as ``[L, R, C]`` in ``dtype``:
+        exactly ``data * scale_inv`` / the E2M1 value times ``2^(scale - 127)``, computed in fp32."""
+        stored = {name: t[experts or slice(None)] for name, t in self.stored().items()}
+        with torch.no_grad():
+            if self.format == "fp8":
+                data = stored["data"].view(torch.float8_e4m3fn)
+                return dequantize_fp8_block(data, stored["scale_inv"], FP8_BLOCK, (0, 0), dtype)
+            values = dequantize_mxfp4(stored["blocks"], stored["scales"], dtype)  # [L, out, in]
+            return values.transpose(-1, -2).contiguous() if self.transposed else values
+
+    def extra_repr(self) -> str:
+        return f"format={self.format}, shape={list(self.global_shape)}" + (", transposed" if self.transposed else "")
+
+
+def keep_frozen_experts(model: nn.Module, format: Format) -> list[str]:
+    """Replace the routed-expert weights (``gate_up_proj``, ``down_proj``) of every experts module of this
+    library in ``model`` by ``FrozenExpertWeight``s in ``format``: after ``transform``, before FSDP2
+    (``shard_model``) and before the weights are allocated (meta) or with their values (quantized here,
+    one local expert at a time). Idempotent. Returns the names of the weights replaced.
+
+    Raises ``ValueError`` naming the weight when a routed-expert weight requires grad (a weight that
+    trains cannot be kept quantized), or when ``model`` holds no experts module of this library.
+    """
+    from lightning_ep.moe.experts.grouped import RoutedExperts
+
+    experts = [(name, m) for name, m in model.named_modules() if isinstance(m, RoutedExperts)]
+    if not experts:
+        raise ValueError(
+            f"frozen_experts={format!r}: the {type(model).__name__} holds no routed experts of lightning_ep; "
+            "transform it first (the strategy does), with a supported MoE family."
+        )
+    replaced = []
+    for prefix, module in experts:
+        for weight in ("gate_up_proj", "down_proj"):
+            param = getattr(module, weight)
+            if isinstance(param, FrozenExpertWeight):
+                continue
+            if param.requires_grad:
+                raise ValueError(
+                    f"frozen_experts={format!r} keeps frozen expert weights in {format}, but {prefix}.{weight} "
+                    "trains (requires_grad=True). Freeze the experts first: train LoRA adapters (PEFT's "
+                    "get_peft_model freezes the base weights) or call requires_grad_(False) on them in "
+                    "configure_model; or drop frozen_experts to train them in full."
+                )
+            frozen = FrozenExpertWeight(format, param, transposed=module.transposed_weights)
+            delattr(module, weight)
+            setattr(module, weight, frozen)
+            replaced.append(f"{prefix}.{weight}")
+    return replaced
+
+
+def _like_placed(
+    like: torch.Tensor, local_shape: Sequence[int], global_shape: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """An empty tensor of ``local_shape`` on ``like``'s device, a DTensor of ``global_shape`` placed as
+    ``like`` when ``like`` is one (sharded on dim 0)."""
+    local = torch.empty(tuple(local_shape), dtype=dtype, device=_local(like).device)
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor):
+        return local
+    shape = torch.Size(global_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=shape, stride=stride)
+
+
+@contextmanager
+def recomputed_in_backward(
+    weights: Sequence[torch.Tensor], recompute: Sequence[Callable[[], torch.Tensor]]
+) -> Iterator[None]:
+    """Within the block, autograd saves no view of ``weights[k]`` (tensors made by ``recompute[k]()``):
+    it keeps the view's geometry and rebuilds it from a fresh ``recompute[k]()`` when the backward reads
+    it. Other saved tensors are kept as usual."""
+    # Keys only: the hooks outlive the block in the graph, and must not keep the weights alive.
+    storages = {(w.untyped_storage().data_ptr(), w.dtype): k for k, w in enumerate(weights)}
+
+    def pack(t: torch.Tensor) -> torch.Tensor | tuple[int, tuple[int, ...], tuple[int, ...], int]:
+        k = storages.get((t.untyped_storage().data_ptr(), t.dtype)) if t.device.type != "meta" else None
+        if k is None:
+            return t
+        return (k, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+
+    def unpack(saved: torch.Tensor | tuple[int, tuple[int, ...], tuple[int, ...], int]) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        k, shape, stride, offset = saved
+        return recompute[k]().as_strided(shape, stride, offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+__all__ = [
+    "BYTES_PER_ELEMENT",
+    "FORMATS",
+    "Format",
+    "FrozenExpertWeight",
+    "keep_frozen_experts",
+    "recomputed_in_backward",
+]

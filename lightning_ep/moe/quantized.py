@@ -1,0 +1,119 @@
+"""The quantized weight formats that publishers ship, dequantized one block of a tensor at a time.
+
+- **FP8, block-scaled** (DeepSeek-V3/R1; transformers' ``FineGrainedFP8Config``): a
+  ``float8_e4m3fn`` weight ``[..., R, C]`` beside ``weight_scale_inv [..., ceil(R/br), ceil(C/bc)]``,
+  one scale per ``br x bc`` block (``weight_block_size``; the last blocks may be partial). The value
+  is ``w[r, c] * scale_inv[r // br, c // bc]``; scales are fp32/bf16 or E8M0 exponents.
+- **MXFP4** (GPT-OSS's experts; ``Mxfp4Config``): ``<name>_blocks uint8 [..., out, G, 16]``, two
+  E2M1 values per byte (low nibble first), and ``<name>_scales uint8 [..., out, G]``, one E8M0
+  exponent per 32 values; transformers keeps the result transposed, ``[..., in, out]``.
+
+The dequantizers take the stored slice covering the wanted block and return exactly that block, the
+products computed in fp32 as transformers computes them, then cast to ``dtype``. The quantizers, for
+weights published in higher precision and kept frozen in a low-precision format
+(``moe.experts.frozen``): ``quantize_fp8`` follows transformers' ``Fp8Quantize`` (scale ``448 / amax``
+per block); ``quantize_mxfp4`` the OCP MX rule (shared exponent ``floor(log2(amax)) - 2``, elements
+rounded to the nearest E2M1 value, ties to the even one, magnitudes above 6 clamped), which neither
+transformers (its MXFP4 quantizer needs the GPU ``triton_kernels`` package) nor torch offers on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: The 16 values of an E2M1 nibble (sign bit, two exponent bits, one mantissa bit).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_GROUP = 32  # values per E8M0 scale
+FP8_BLOCK = (128, 128)  # rows and columns per scale, as DeepSeek-V3 ships its weights
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
+
+
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as fp32: E8M0 (``float8_e8m0fnu``, or ``uint8`` exponent bytes) as ``2^(s - 127)``."""
+    if scale.dtype == torch.uint8:
+        return (scale.to(torch.float32) - 127.0).exp2()
+    return scale.to(torch.float32)
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], first: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """The block ``[..., r0 : r0 + Lr, c0 : c0 + Lc]`` of a block-scaled FP8 weight, dequantized to
+    ``[..., Lr, Lc]`` in ``dtype``, from its stored values ``weight [..., Lr, Lc]`` and ``scale_inv``,
+    the grid's scales from row ``r0 // br`` and column ``c0 // bc`` on (``block = (br, bc)``,
+    ``first = (r0, c0)``).
+    """
+    (br, bc), (r0, c0) = block, first
+    rows, cols = weight.shape[-2:]
+    scale = scale_values(scale_inv).repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)
+    top, left = r0 - (r0 // br) * br, c0 - (c0 // bc) * bc
+    scale = scale[..., top : top + rows, left : left + cols]
+    return (weight.to(torch.float32) * scale).to(dtype)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 ``blocks uint8 [..., G, 16]`` and ``scales uint8 [..., G]`` as values ``[..., 32 G]`` in
+    ``dtype``, in the stored orientation: value ``2 i`` of a group is byte ``i``'s low nibble, times
+    ``2^(scale - 127)``."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_GROUP // 2:
+        raise ValueError(
+            f"dequantize_mxfp4: blocks {list(blocks.shape)} and scales {list(scales.shape)} do not form MXFP4 "
+            f"groups ([..., G, {MXFP4_GROUP // 2}] and [..., G])."
+        )
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    packed = blocks.to(torch.uint8).long()
+    values = torch.stack((lut[packed & 0x0F], lut[packed >> 4]), dim=-1)  # [..., G, 16, 2]
+    values = values.reshape(*blocks.shape[:-1], MXFP4_GROUP)  # [..., G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.reshape(*blocks.shape[:-2], -1).to(dtype)
+
+
+@torch.no_grad()
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data float8_e4m3fn [..., R, C], scale_inv float32 [..., ceil(R/br), ceil(C/bc)])`` of ``w``:
+    each block divided by ``amax / 448`` (a block of zeros by 1), rounded to the nearest e4m3 value."""
+    br, bc = block
+    rows, cols = w.shape[-2:]
+    grid_r, grid_c = -(-rows // br), -(-cols // bc)
+    padded = torch.zeros(*w.shape[:-2], grid_r * br, grid_c * bc, dtype=torch.float32, device=w.device)
+    padded[..., :rows, :cols] = w
+    tiles = padded.unflatten(-1, (grid_c, bc)).unflatten(-3, (grid_r, br))  # [..., gr, br, gc, bc]
+    amax = tiles.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, FP8_MAX / amax.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
+    data = (tiles * scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    data = data.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].contiguous()
+    return data, (1.0 / scale).to(torch.float32)
+
+
+@torch.no_grad()
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(blocks uint8 [..., G, 16], scales uint8 [..., G])`` of ``w [..., 32 G]`` (groups of 32 along
+    the last dim): the OCP MX rule of the module docstring."""
+    if w.shape[-1] % MXFP4_GROUP:
+        raise ValueError(f"quantize_mxfp4: the last dim of {list(w.shape)} must be a multiple of {MXFP4_GROUP}.")
+    groups = w.to(torch.float32).unflatten(-1, (-1, MXFP4_GROUP))  # [..., G, 32]
+    amax = groups.abs().amax(dim=-1)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0**-127))) - 2, -127.0)
+    exponent = exponent.clamp(-127, 127)
+    scaled = torch.ldexp(groups, -exponent.to(torch.int32)[..., None]).clamp(-6.0, 6.0)
+    positive = torch.tensor(E2M1_VALUES[:8], device=w.device)  # 0, 0.5, ..., 6: codes 0-7
+    distance = (scaled.abs()[..., None] - positive).abs()  # [..., G, 32, 8]
+    nearest = distance == distance.amin(dim=-1, keepdim=True)
+    odd = torch.arange(8, device=w.device) % 2  # odd codes have mantissa 1: a tie goes to the even code
+    code = torch.argmin(torch.where(nearest, odd, 2), dim=-1)
+    code = code + 8 * (scaled < 0).to(code.dtype) * (code > 0).to(code.dtype)  # sign bit; +0 for zeros
+    pairs = code.to(torch.uint8).unflatten(-1, (MXFP4_GROUP // 2, 2))
+    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8)
+
+
+__all__ = [
+    "E2M1_VALUES",
+    "FP8_BLOCK",
+    "MXFP4_GROUP",
+    "dequantize_fp8_block",
+    "dequantize_mxfp4",
+    "quantize_fp8",
+    "quantize_mxfp4",
+    "scale_values",
+]

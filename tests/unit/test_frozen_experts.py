@@ -1,0 +1,294 @@
+"""Frozen expert weights kept in FP8 or MXFP4 (``lightning_ep.moe.experts.frozen``), on one process.
+
+- The formats: the stored values dequantize exactly to a hand computation (loops over blocks and
+  nibbles, ``tests/distributed/published.py``); the MXFP4 quantizer follows the OCP MX rule (ties to
+  the even E2M1 value, clamping at 6); quantizing dequantized values gives the same bytes back.
+- The LoRA step: a PEFT LoRA model (tiny Mixtral, adapters on attention and both expert weights; tiny
+  GPT-OSS, adapters on attention) with its experts kept quantized gives the loss, every gradient and
+  the AdamW step of the same model whose expert parameters hold the dequantized values, bit for bit in
+  fp32 and in bf16: the GEMMs take equal operands. The dequantized weights are not kept from forward
+  to backward, the frozen weights get no gradient and no optimizer state.
+- Loading: an FP8 folder (DeepSeek-V3's layout, 128 x 128 blocks) and an MXFP4 folder (GPT-OSS's) are
+  copied byte for byte; a bf16 folder is quantized expert by expert as ``quantize_fp8`` quantizes it.
+- Export: ``export_hf`` of such a model writes the dequantized values.
+- Refusals: trainable experts, an unknown format, transformers' own experts implementation.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+import warnings
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_ep
+from lightning_ep import MoEConfig
+from lightning_ep.models.hf_io import export_hf, load_pretrained_sharded
+from lightning_ep.moe.experts.frozen import FrozenExpertWeight, keep_frozen_experts
+from lightning_ep.moe.quantized import dequantize_mxfp4, quantize_fp8, quantize_mxfp4
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from families_workers import micro_batch, tiny_family
+from lora_workers import lora_config, tiny_base, tiny_peft
+from published import fp8_dequantize_by_hand, mxfp4_dequantize_by_hand, read_folder, write_fp8, write_mxfp4
+
+CONFIG = MoEConfig(moe_load_balancing="none")
+
+
+def frozen_weights(model: nn.Module) -> dict[str, FrozenExpertWeight]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, FrozenExpertWeight)}
+
+
+# --------------------------------------------------------------------------------------------
+# The formats
+# --------------------------------------------------------------------------------------------
+
+
+def test_fp8_weight_dequantizes_to_a_hand_computation() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(3, 200, 136) * torch.logspace(-3, 0, 136)  # partial last blocks on both dims
+    frozen = FrozenExpertWeight("fp8", nn.Parameter(w, requires_grad=False))
+    stored = frozen.stored()
+    assert stored["data"].dtype == torch.uint8 and tuple(stored["scale_inv"].shape) == (3, 2, 2)
+    data = stored["data"].view(torch.float8_e4m3fn)
+    for e in range(3):
+        by_hand = fp8_dequantize_by_hand(data[e], stored["scale_inv"][e], (128, 128))
+        assert torch.equal(frozen.dequantize(torch.float32, slice(e, e + 1))[0], by_hand)
+        # Each block's largest magnitude maps to 448, the largest e4m3 value.
+        assert float(data[e, :128, :128].float().abs().max()) == 448.0
+    assert torch.equal(frozen.dequantize(torch.bfloat16), frozen.dequantize(torch.float32).to(torch.bfloat16))
+    # Quantizing the dequantized values gives the same FP8 values back.
+    again, _ = quantize_fp8(frozen.dequantize(torch.float32))
+    assert torch.equal(again.view(torch.uint8), stored["data"])
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_mxfp4_weight_dequantizes_to_a_hand_computation(transposed: bool) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(2, 64, 96) * torch.logspace(-3, 1, 96)
+    frozen = FrozenExpertWeight("mxfp4", nn.Parameter(w, requires_grad=False), transposed=transposed)
+    stored = frozen.stored()
+    out, inner = (96, 64) if transposed else (64, 96)
+    assert tuple(stored["blocks"].shape) == (2, out, inner // 32, 16) and tuple(stored["scales"].shape) == (
+        2,
+        out,
+        inner // 32,
+    )
+    by_hand = mxfp4_dequantize_by_hand(stored["blocks"], stored["scales"])  # [E, out, in]
+    assert torch.equal(frozen.dequantize(torch.float32), by_hand.transpose(1, 2) if transposed else by_hand)
+    rel = (frozen.dequantize(torch.float32) - w).norm() / w.norm()
+    assert rel < 0.2  # E2M1 keeps 1 mantissa bit; a measured 0.11 on normal values
+
+
+def test_mxfp4_quantizer_follows_the_ocp_rule() -> None:
+    # amax 4 -> shared exponent floor(log2 4) - 2 = 0: the values themselves, rounded to E2M1.
+    values = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, 4.0, 0.0, 0.1, -6.0, 2.9, 0.5, 1.5]
+    blocks, scales = quantize_mxfp4(torch.tensor(values * 2).reshape(1, 32))
+    assert scales.tolist() == [[127 + 0]]
+    got = dequantize_mxfp4(blocks, scales, torch.float32)[0, :16].tolist()
+    # Ties go to the even code (mantissa 0): 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+    assert got == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -1.0, 4.0, 0.0, 0.0, -6.0, 3.0, 0.5, 1.5]
+    # A group scaled up: amax 7.9 -> exponent 0 still, 7.9 clamps to 6; a zero group has scale byte 0.
+    blocks, scales = quantize_mxfp4(torch.tensor([[7.9] + [0.0] * 31, [0.0] * 32]))
+    assert scales.tolist() == [[127], [0]] and dequantize_mxfp4(blocks, scales, torch.float32)[0, 0] == 6.0
+    # Quantizing dequantized values gives the same bytes back.
+    first = quantize_mxfp4(torch.randn(4, 64, generator=torch.Generator().manual_seed(0)))
+    again = quantize_mxfp4(dequantize_mxfp4(*first, torch.float32))
+    assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+# --------------------------------------------------------------------------------------------
+# The LoRA step
+# --------------------------------------------------------------------------------------------
+
+
+def _models(model_type: str, fmt: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    """``(quantized, reference)``: a transformed PEFT LoRA model with its experts kept in ``fmt``, and a copy
+    whose frozen expert parameters hold the dequantized values."""
+    if model_type == "mixtral":
+        model = tiny_peft("mixtral")
+    else:
+        from peft import get_peft_model
+
+        base = tiny_family(model_type).train()
+        torch.manual_seed(1)
+        model = get_peft_model(base, lora_config(target_parameters=[]))
+    model = model.to(dtype)
+    lightning_ep.transform(model, CONFIG)
+    reference = copy.deepcopy(model)
+    names = keep_frozen_experts(model, fmt)  # type: ignore[arg-type]
+    assert len(names) == 4  # two layers, two weights
+    for name, frozen in frozen_weights(model).items():
+        reference.get_parameter(name).data.copy_(frozen.dequantize(dtype))
+    return model, reference
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fmt", "dtype"),
+    [
+        ("mixtral", "fp8", torch.float32),
+        ("mixtral", "mxfp4", torch.float32),
+        ("mixtral", "fp8", torch.bfloat16),
+        ("gpt_oss", "mxfp4", torch.float32),
+    ],
+)
+def test_lora_step_equals_the_step_on_dequantized_weights(model_type: str, fmt: str, dtype: torch.dtype) -> None:
+    model, reference = _models(model_type, fmt, dtype)
+    made: list[weakref.ref[torch.Tensor]] = []
+    dequantize = FrozenExpertWeight.dequantize
+
+    def tracked(self: FrozenExpertWeight, *args: object) -> torch.Tensor:
+        out = dequantize(self, *args)  # type: ignore[arg-type]
+        made.append(weakref.ref(out))
+        return out
+
+    ids = micro_batch(0, 0)
+    FrozenExpertWeight.dequantize = tracked  # type: ignore[method-assign]
+    try:
+        loss = model(input_ids=ids, labels=ids).loss
+        gc.collect()
+        assert made and all(r() is None for r in made)  # nothing kept from forward to backward
+        loss.backward()
+    finally:
+        FrozenExpertWeight.dequantize = dequantize  # type: ignore[method-assign]
+    ref_loss = reference(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    expected = {n: p for n, p in reference.named_parameters() if p.requires_grad}
+    assert trainable.keys() == expected.keys() and any("_lora_" in n for n in trainable) == (model_type == "mixtral")
+    for name, p in trainable.items():
+        assert torch.equal(p.grad, expected[name].grad), name
+    # The frozen weights are buffers: no gradient, no optimizer state; one AdamW step stays equal.
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n, _ in model.named_parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer.step()
+    torch.optim.AdamW(reference.parameters(), lr=1e-2).step()
+    assert {id(p) for p in optimizer.state} == {id(p) for p in trainable.values()}
+    for name, p in trainable.items():
+        assert torch.equal(p, expected[name]), name
+
+
+def test_keep_frozen_experts_refuses_trainable_experts() -> None:
+    model = lightning_ep.transform(tiny_base("mixtral"), CONFIG)
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj trains \(requires_grad=True\)\. Freeze"):
+        keep_frozen_experts(model, "fp8")
+    with pytest.raises(ValueError, match="holds no routed experts"):
+        keep_frozen_experts(nn.Linear(4, 4), "fp8")
+
+
+def test_strategy_refuses_an_unknown_format() -> None:
+    with pytest.raises(ValueError, match=r"frozen_experts='nf4'\): pass one of \['fp8', 'mxfp4'\]"):
+        lightning_ep.ExpertParallelStrategy(frozen_experts="nf4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="smp_moe=False"):
+        lightning_ep.ExpertParallelStrategy(frozen_experts="fp8", moe=MoEConfig(smp_moe=False))
+
+
+def test_transformers_experts_implementation_is_refused_on_quantized_experts() -> None:
+    model, _ = _models("mixtral", "fp8", torch.float32)
+    model.get_base_model().set_experts_implementation("eager")
+    ids = micro_batch(0, 0)
+    with pytest.raises(ValueError, match="would compute the experts without their LoRA adapters"):
+        model(input_ids=ids)
+    plain = lightning_ep.transform(tiny_base("mixtral").requires_grad_(False), CONFIG)
+    keep_frozen_experts(plain, "fp8")
+    plain.set_experts_implementation("eager")
+    with pytest.raises(ValueError, match=r"cannot read expert weights kept quantized \(frozen_experts\)"):
+        plain(input_ids=ids)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading published folders, and export
+# --------------------------------------------------------------------------------------------
+
+
+def _meta_frozen(model_type: str, fmt: str, **overrides: object) -> nn.Module:
+    """A transformed model on the meta device with frozen experts in ``fmt``, allocated on the CPU."""
+    with torch.device("meta"):
+        model = tiny_base(model_type, seed=11) if model_type == "mixtral" else tiny_family(model_type, 11, **overrides)
+    model.requires_grad_(False)
+    lightning_ep.transform(model, CONFIG)
+    keep_frozen_experts(model, fmt)  # type: ignore[arg-type]
+    return model.to_empty(device="cpu")
+
+
+def _load(model: nn.Module, folder: Path) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_pretrained_sharded(model, folder)
+
+
+def test_fp8_folder_is_copied_byte_for_byte(tmp_path: Path) -> None:
+    # moe_intermediate_size 128: the gate and up parts of each expert fill whole 128-row blocks.
+    source = tiny_family("deepseek_v3", moe_intermediate_size=128)
+    folder = write_fp8(source, tmp_path / "fp8", block=(128, 128))
+    stored = read_folder(folder)
+    model = _load(_meta_frozen("deepseek_v3", "fp8", moe_intermediate_size=128), folder)
+    weights = frozen_weights(model)
+    assert weights
+    for name, frozen in weights.items():
+        layer = name.split(".")[2]
+        for e in range(frozen.shape[0]):
+            prefix = f"model.layers.{layer}.mlp.experts.{e}."
+            parts = ["gate_proj", "up_proj"] if name.endswith("gate_up_proj") else ["down_proj"]
+            data = torch.cat([stored[f"{prefix}{p}.weight"] for p in parts]).view(torch.uint8)
+            scale = torch.cat([stored[f"{prefix}{p}.weight_scale_inv"] for p in parts])
+            assert torch.equal(frozen.stored()["data"][e], data), (name, e)
+            assert torch.equal(frozen.stored()["scale_inv"][e], scale), (name, e)
+
+
+def test_mxfp4_folder_is_copied_byte_for_byte_and_exports_dequantized(tmp_path: Path) -> None:
+    source = tiny_family("gpt_oss")
+    folder = write_mxfp4(source, tmp_path / "mxfp4")
+    stored = read_folder(folder)
+    model = _load(_meta_frozen("gpt_oss", "mxfp4"), folder)
+    for name, frozen in frozen_weights(model).items():
+        assert torch.equal(frozen.stored()["blocks"], stored[f"{name}_blocks"]), name
+        assert torch.equal(frozen.stored()["scales"], stored[f"{name}_scales"]), name
+    out = export_hf(model, tmp_path / "export", hf_config_or_folder=folder)
+    exported = read_folder(out)
+    for name, frozen in frozen_weights(model).items():
+        assert torch.equal(exported[name], frozen.dequantize(torch.bfloat16)), name
+
+
+def test_bf16_folder_is_quantized_expert_by_expert(tmp_path: Path) -> None:
+    source = tiny_base("mixtral").to(torch.bfloat16)
+    source.save_pretrained(tmp_path / "bf16")
+    model = _load(_meta_frozen("mixtral", "fp8"), tmp_path / "bf16")
+    for name, frozen in frozen_weights(model).items():
+        data, scale = quantize_fp8(source.get_parameter(name).detach())
+        assert torch.equal(frozen.stored()["data"], data.view(torch.uint8)), name
+        assert torch.equal(frozen.stored()["scale_inv"], scale), name
+    out = export_hf(model, tmp_path / "export", hf_config_or_folder=tmp_path / "bf16")
+    exported = lightning_ep.transform(tiny_base("mixtral", seed=3), CONFIG)
+    _load(exported, out)
+    for name, frozen in frozen_weights(model).items():
+        assert torch.equal(exported.get_parameter(name), frozen.dequantize(torch.float32)), name
+
+
+def test_meta_model_is_initialised_expert_by_expert() -> None:
+    """A model built on the meta device (no folder) gets ``normal(0, initializer_range)`` expert weights,
+    quantized, as Hugging Face initialises the weights they replace; the same seed gives the same bytes."""
+    from lightning_ep.models.init import materialize
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            model = tiny_base("mixtral")
+        model.requires_grad_(False)
+        lightning_ep.transform(model, CONFIG)
+        keep_frozen_experts(model, "fp8")
+        torch.manual_seed(5)
+        return materialize(model, "cpu")
+
+    first, second = build(), build()
+    std = first.config.initializer_range
+    for name, frozen in frozen_weights(first).items():
+        values = frozen.dequantize(torch.float32)
+        assert abs(float(values.std()) / std - 1) < 0.05, name
+        assert torch.equal(frozen.stored()["data"], frozen_weights(second)[name].stored()["data"]), name
