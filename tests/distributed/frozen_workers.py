@@ -8,9 +8,8 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from families_workers import CONFIG, RTOL, micro_batch, rel_err
-from lora_workers import tiny_peft
+from families_workers import CONFIG, RTOL, rel_err
+from lora_workers import backward_both, tiny_peft
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -50,18 +49,7 @@ def check_frozen_lora(rank: int, world: int, fmt: str, folder: Path, degree: int
             expected = theirs[name].stored()[key][first : first + local]
             assert torch.equal(buffer.to_local(), expected), (tag, name, key)
 
-    ref_loss = 0.0
-    for r in range(world):
-        ids = micro_batch(0, r)
-        loss = reference(input_ids=ids, labels=ids).loss / world
-        loss.backward()
-        ref_loss += loss.item()
-    ids = micro_batch(0, rank)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    mean_loss = loss.detach().clone()
-    dist.all_reduce(mean_loss)
-    assert abs(mean_loss.item() / world - ref_loss) <= RTOL * abs(ref_loss), (tag, mean_loss.item() / world, ref_loss)
+    backward_both(reference, model, rank, world, tag)
     expected_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
     got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert got.keys() == expected_grads.keys() and any("_lora_" in n for n in got), tag

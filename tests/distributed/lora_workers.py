@@ -82,6 +82,23 @@ def peft_expert_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
+def backward_both(reference: nn.Module, model: nn.Module, rank: int, world: int, tag: str, rtol: float = RTOL) -> None:
+    """Backward of ``reference`` on every rank's micro-batch (each loss divided by ``world``) and of
+    ``model`` on this rank's; their mean losses agree within ``rtol``."""
+    ref_loss = 0.0
+    for r in range(world):
+        ids = micro_batch(0, r)
+        loss = reference(input_ids=ids, labels=ids).loss / world
+        loss.backward()
+        ref_loss += loss.item()
+    ids = micro_batch(0, rank)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    mean_loss = loss.detach().float().clone()
+    dist.all_reduce(mean_loss)
+    assert abs(mean_loss.item() / world - ref_loss) <= rtol * abs(ref_loss), (tag, mean_loss.item() / world, ref_loss)
+
+
 def check_lora_layout(rank: int, world: int, model_type: str, degree: int, replicate: int) -> None:
     """Under ``transform(mesh=...)`` + ``shard_model`` at ``(world, degree, replicate)``: the loss and
     every LoRA gradient equal PEFT's LoRA on the unsharded model fed every rank's micro-batch
@@ -100,18 +117,7 @@ def check_lora_layout(rank: int, world: int, model_type: str, degree: int, repli
             assert factor.requires_grad and not layer.experts.gate_up_proj.requires_grad, (tag, name)
     lightning_ep.shard_model(model, mesh)
 
-    ref_loss = 0.0
-    for r in range(world):
-        ids = micro_batch(0, r)
-        loss = reference(input_ids=ids, labels=ids).loss / world
-        loss.backward()
-        ref_loss += loss.item()
-    ids = micro_batch(0, rank)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    mean_loss = loss.detach().clone()
-    dist.all_reduce(mean_loss)
-    assert abs(mean_loss.item() / world - ref_loss) <= RTOL * abs(ref_loss), (tag, mean_loss.item() / world, ref_loss)
+    backward_both(reference, model, rank, world, tag)
 
     expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
     got = peft_expert_grads(model)
@@ -155,18 +161,7 @@ def check_lora_bf16(rank: int, world: int, model_type: str, precision: str) -> N
     lightning_ep.transform(model, CONFIG, mesh=mesh)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     lightning_ep.shard_model(model, mesh, mp_policy=policy if precision == "bf16-mixed" else None)
-    ref_loss = 0.0
-    for r in range(world):
-        ids = micro_batch(0, r)
-        loss = reference(input_ids=ids, labels=ids).loss / world
-        loss.backward()
-        ref_loss += loss.item()
-    ids = micro_batch(0, rank)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    mean_loss = loss.detach().float().clone()
-    dist.all_reduce(mean_loss)
-    assert abs(mean_loss.item() / world - ref_loss) <= 2e-2 * abs(ref_loss), (tag, mean_loss.item() / world, ref_loss)
+    backward_both(reference, model, rank, world, tag, rtol=2e-2)
     # All LoRA gradients together: bf16 rounding can flip a near-tie in the routing, which moves
     # single experts' gradients by more than bf16 accuracy but the whole only a little.
     got = peft_expert_grads(model)

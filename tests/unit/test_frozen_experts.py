@@ -30,6 +30,7 @@ from torch import nn
 import lightning_ep
 from lightning_ep import MoEConfig
 from lightning_ep.models.hf_io import export_hf, load_pretrained_sharded
+from lightning_ep.moe.experts import frozen as frozen_module
 from lightning_ep.moe.experts.frozen import FrozenExpertWeight, keep_frozen_experts
 from lightning_ep.moe.quantized import dequantize_mxfp4, quantize_fp8, quantize_mxfp4
 
@@ -50,7 +51,7 @@ def frozen_weights(model: nn.Module) -> dict[str, FrozenExpertWeight]:
 # --------------------------------------------------------------------------------------------
 
 
-def test_fp8_weight_dequantizes_to_a_hand_computation() -> None:
+def test_fp8_weight_dequantizes_to_a_hand_computation(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     w = torch.randn(3, 200, 136) * torch.logspace(-3, 0, 136)  # partial last blocks on both dims
     frozen = FrozenExpertWeight("fp8", nn.Parameter(w, requires_grad=False))
@@ -64,12 +65,15 @@ def test_fp8_weight_dequantizes_to_a_hand_computation() -> None:
         assert float(data[e, :128, :128].float().abs().max()) == 448.0
     assert torch.equal(frozen.dequantize(torch.bfloat16), frozen.dequantize(torch.float32).to(torch.bfloat16))
     # Quantizing the dequantized values gives the same FP8 values back.
-    again, _ = quantize_fp8(frozen.dequantize(torch.float32))
+    whole = frozen.dequantize(torch.float32)
+    again, _ = quantize_fp8(whole)
     assert torch.equal(again.view(torch.uint8), stored["data"])
+    monkeypatch.setattr(frozen_module, "DEQUANTIZE_ELEMENTS", 1)  # one expert at a time: the same values
+    assert torch.equal(frozen.dequantize(torch.float32), whole)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_mxfp4_weight_dequantizes_to_a_hand_computation(transposed: bool) -> None:
+def test_mxfp4_weight_dequantizes_to_a_hand_computation(transposed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     w = torch.randn(2, 64, 96) * torch.logspace(-3, 1, 96)
     frozen = FrozenExpertWeight("mxfp4", nn.Parameter(w, requires_grad=False), transposed=transposed)
@@ -81,6 +85,8 @@ def test_mxfp4_weight_dequantizes_to_a_hand_computation(transposed: bool) -> Non
         inner // 32,
     )
     by_hand = mxfp4_dequantize_by_hand(stored["blocks"], stored["scales"])  # [E, out, in]
+    assert torch.equal(frozen.dequantize(torch.float32), by_hand.transpose(1, 2) if transposed else by_hand)
+    monkeypatch.setattr(frozen_module, "DEQUANTIZE_ELEMENTS", 1)  # one expert at a time: the same values
     assert torch.equal(frozen.dequantize(torch.float32), by_hand.transpose(1, 2) if transposed else by_hand)
     rel = (frozen.dequantize(torch.float32) - w).norm() / w.norm()
     assert rel < 0.2  # E2M1 keeps 1 mantissa bit; a measured 0.11 on normal values

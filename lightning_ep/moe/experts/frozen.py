@@ -36,7 +36,6 @@ from torch import nn
 from lightning_ep.moe.quantized import (
     FP8_BLOCK,
     MXFP4_GROUP,
-    dequantize_fp8_block,
     dequantize_mxfp4,
     quantize_fp8,
     quantize_mxfp4,
@@ -44,6 +43,8 @@ from lightning_ep.moe.quantized import (
 
 Format = Literal["fp8", "mxfp4"]
 FORMATS: tuple[str, ...] = get_args(Format)
+#: Elements dequantized in fp32 at a time (whole experts): bounds the transient copy to 256 MiB.
+DEQUANTIZE_ELEMENTS = 1 << 26
 #: Bytes an element of each format takes, scales included (the planner's figure).
 BYTES_PER_ELEMENT = {"fp8": 1.0 + 4.0 / (FP8_BLOCK[0] * FP8_BLOCK[1]), "mxfp4": 0.5 + 1.0 / MXFP4_GROUP}
 
@@ -96,7 +97,8 @@ class FrozenExpertWeight(nn.Module):
         for name, (shape, dtype) in specs.items():
             self.register_buffer(name, _like_placed(like, (local.shape[0], *shape[1:]), shape, dtype))
         if not like.is_meta:
-            self.store_(_local(like), 0)
+            for e in range(local.shape[0]):
+                self.store_(local[e : e + 1], e)
 
     @property
     def shape(self) -> torch.Size:
@@ -132,14 +134,23 @@ class FrozenExpertWeight(nn.Module):
 
     def dequantize(self, dtype: torch.dtype, experts: slice | None = None) -> torch.Tensor:
         """The local experts (``experts`` of them: all by default) as ``[L, R, C]`` in ``dtype``:
-        exactly ``data * scale_inv`` / the E2M1 value times ``2^(scale - 127)``, computed in fp32."""
+        exactly ``data * scale_inv`` / the E2M1 value times ``2^(scale - 127)``, computed in fp32
+        ``DEQUANTIZE_ELEMENTS`` at a time (whole experts) and written into the result."""
         stored = {name: t[experts or slice(None)] for name, t in self.stored().items()}
+        count = next(iter(stored.values())).shape[0]
+        first = next(iter(stored.values()))
+        out = torch.empty((count, *self.global_shape[1:]), dtype=dtype, device=first.device)
+        step = max(1, DEQUANTIZE_ELEMENTS // max(1, out[0].numel()))
         with torch.no_grad():
-            if self.format == "fp8":
-                data = stored["data"].view(torch.float8_e4m3fn)
-                return dequantize_fp8_block(data, stored["scale_inv"], FP8_BLOCK, (0, 0), dtype)
-            values = dequantize_mxfp4(stored["blocks"], stored["scales"], dtype)  # [L, out, in]
-            return values.transpose(-1, -2).contiguous() if self.transposed else values
+            for start in range(0, count, step):
+                chunk = {name: t[start : start + step] for name, t in stored.items()}
+                if self.format == "fp8":
+                    values = _dequantize_fp8(chunk["data"], chunk["scale_inv"])
+                else:
+                    values = dequantize_mxfp4(chunk["blocks"], chunk["scales"], torch.float32)  # [n, out, in]
+                    values = values.transpose(-1, -2) if self.transposed else values
+                out[start : start + step] = values
+        return out
 
     def extra_repr(self) -> str:
         return f"format={self.format}, shape={list(self.global_shape)}" + (", transposed" if self.transposed else "")
@@ -180,6 +191,20 @@ def keep_frozen_experts(model: nn.Module, format: Format) -> list[str]:
             setattr(module, weight, frozen)
             replaced.append(f"{prefix}.{weight}")
     return replaced
+
+
+def _dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``data [n, R, C]`` (e4m3 bytes) times its block scales, in fp32: ``dequantize_fp8_block``'s
+    products, with the scales repeated over rows only and broadcast over each block's columns."""
+    (br, bc), cols = FP8_BLOCK, data.shape[-1]
+    scale_rows = scale_inv.repeat_interleave(br, dim=-2)[..., : data.shape[-2], :]  # [n, R, ceil(C / bc)]
+    values = data.view(torch.float8_e4m3fn).to(torch.float32)
+    full = cols // bc
+    if full:
+        values[..., : full * bc].unflatten(-1, (full, bc)).mul_(scale_rows[..., :full, None])
+    if cols % bc:
+        values[..., full * bc :].mul_(scale_rows[..., full:])
+    return values
 
 
 def _like_placed(
