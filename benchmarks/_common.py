@@ -51,6 +51,9 @@ SHAPES = {
     # Qwen1.5-MoE-A2.7B-like: 64 routed experts (60 there) of width 1408, top-4, and a gated
     # shared expert of width 5632 (bench_layer only).
     "shared": Shape("shared", 2048, 1408, 64, 4, 16, 16, 128, layers=4, shared_inter=5632),
+    # GPT-OSS-20B's sizes (24 layers, 32 experts of width 2880, top-4, 201k vocabulary) as a
+    # MixtralConfig: its parameter and FLOP counts, not its biases, clamped SwiGLU or attention sinks.
+    "gpt_oss_20b": Shape("gpt_oss_20b", 2880, 2880, 32, 4, 64, 8, 64, layers=24, vocab=201088),
     # CPU smoke tests only (tiny-shared routes top-4 of 8: the dedup variant has copies to save).
     "tiny": Shape("tiny", 64, 32, 8, 2, 4, 2, 16, layers=2, vocab=128),
     "tiny-shared": Shape("tiny-shared", 64, 32, 8, 4, 4, 2, 16, layers=2, vocab=128, shared_inter=48),
