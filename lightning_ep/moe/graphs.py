@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from lightning_ep.moe.dispatch.base import Dispatcher
+from lightning_ep.moe.experts.frozen import FrozenExpertWeight
 from lightning_ep.moe.experts.grouped import RoutedExperts, grouped_mm_supported, local_tensor
 from lightning_ep.moe.graph_inputs import (
     backward_of,
@@ -132,6 +133,12 @@ class LayerGraphs:
             raise ValueError(
                 f"Execution(cuda_graphs=True) needs a dispatch with a static plan, got {type(dispatcher).__name__} "
                 "without one: the local dispatch (degree 1), or exchange='symmetric_memory' with an int row_budget."
+            )
+        if any(isinstance(m, FrozenExpertWeight) for m in experts.children()):
+            raise ValueError(
+                "Execution(cuda_graphs=True) replays the experts' GEMMs on their weights in place, but this layer "
+                "keeps its frozen experts quantized (frozen_experts) and dequantizes them in every forward and "
+                "backward; use cuda_graphs='auto' or False."
             )
         self.dispatcher, self.experts = dispatcher, experts
         self.calls = 0

@@ -298,3 +298,14 @@ def test_meta_model_is_initialised_expert_by_expert() -> None:
         values = frozen.dequantize(torch.float32)
         assert abs(float(values.std()) / std - 1) < 0.05, name
         assert torch.equal(frozen.stored()["data"], frozen_weights(second)[name].stored()["data"]), name
+
+
+def test_cuda_graphs_are_refused_on_quantized_experts() -> None:
+    from lightning_ep.moe.dispatch.base import LocalDispatcher
+    from lightning_ep.moe.graphs import LayerGraphs
+
+    model = lightning_ep.transform(tiny_base("mixtral").requires_grad_(False), CONFIG)
+    keep_frozen_experts(model, "mxfp4")
+    experts = lightning_ep.moe_layers(model)[0].experts
+    with pytest.raises(ValueError, match=r"keeps its frozen experts quantized \(frozen_experts\)"):
+        LayerGraphs(LocalDispatcher(8), experts)
