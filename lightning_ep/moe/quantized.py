@@ -60,7 +60,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
             f"dequantize_mxfp4: blocks {list(blocks.shape)} and scales {list(scales.shape)} do not form MXFP4 "
             f"groups ([..., G, {MXFP4_GROUP // 2}] and [..., G])."
         )
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
     packed = blocks.to(torch.uint8).long()
     values = torch.stack((lut[packed & 0x0F], lut[packed >> 4]), dim=-1)  # [..., G, 16, 2]
     values = values.reshape(*blocks.shape[:-1], MXFP4_GROUP)  # [..., G, 32]

@@ -54,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--activation-checkpointing", default="false", help="false, true or keep_all_to_all")
     p.add_argument("--capacity-factor", type=float, default=None)
+    p.add_argument("--lora-rank", type=int, default=0, help="0: a full fine-tune; r: LoRA adapters of rank r only")
+    p.add_argument("--frozen-experts", default=None, choices=["fp8", "mxfp4"], help="with --lora-rank: their format")
     p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE))
     p.add_argument("--gpu-memory", default=None, help="device memory, e.g. 141GiB (default: the hardware's)")
     p.add_argument("--margin", type=float, default=MEMORY_MARGIN, help="share of device memory kept free")
@@ -76,6 +78,12 @@ def _check(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--margin={args.margin}: pass a share in [0, 1), e.g. {MEMORY_MARGIN}.")
     if args.capacity_factor is not None and not args.capacity_factor > 0:
         raise ArgumentError(f"--capacity-factor={args.capacity_factor}: pass a number > 0, or leave it out (dropless).")
+    if args.lora_rank < 0:
+        raise ArgumentError(f"--lora-rank={args.lora_rank}: pass 0 (a full fine-tune) or a rank >= 1.")
+    if args.frozen_experts is not None and not args.lora_rank:
+        raise ArgumentError(
+            f"--frozen-experts={args.frozen_experts}: the experts are frozen under LoRA; pass --lora-rank too."
+        )
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -91,6 +99,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             precision=args.precision,
             capacity_factor=args.capacity_factor,
             activation_checkpointing=_checkpointing(args.activation_checkpointing),  # type: ignore[arg-type]
+            lora_rank=args.lora_rank,
+            frozen_experts=args.frozen_experts,
         )
         try:
             shape = model_shape(args.config)

@@ -53,6 +53,8 @@ def plan_for_devices(
     capacity_factor: float | None,
     hardware: Hardware | None = None,
     margin: float = MEMORY_MARGIN,
+    lora_rank: int = 0,
+    frozen_experts: str | None = None,
 ) -> Plan:
     """``choose_layout`` for ``hf_config`` at the strategy's ``replicate_degree`` (a pure function)."""
     workload = Workload(
@@ -61,6 +63,8 @@ def plan_for_devices(
         precision=precision,  # type: ignore[arg-type]
         activation_checkpointing=activation_checkpointing,
         capacity_factor=capacity_factor,
+        lora_rank=lora_rank,
+        frozen_experts=frozen_experts,  # type: ignore[arg-type]
     )
     return choose_layout(
         model_shape(hf_config),
@@ -87,6 +91,8 @@ def auto_degree(
     activation_checkpointing: Checkpointing,
     capacity_factor: float | None,
     rank: int,
+    lora_rank: int = 0,
+    frozen_experts: str | None = None,
 ) -> int:
     """The strategy's ``degree="auto"`` (see the module docstring); prints the plan on rank 0."""
     if device.type != "cuda":
@@ -105,6 +111,8 @@ def auto_degree(
             activation_checkpointing=activation_checkpointing,
             capacity_factor=capacity_factor,
             hardware=hardware_for(device),
+            lora_rank=lora_rank,
+            frozen_experts=frozen_experts,
         )
     except ValueError as error:
         raise ValueError(f"ExpertParallelStrategy(degree='auto', plan_batch={plan_batch}): {error}") from None

@@ -28,8 +28,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from lightning_ep.moe.experts.frozen import FORMATS
+from lightning_ep.moe.quantized import FP8_BLOCK, MXFP4_GROUP
 from lightning_ep.plan.layouts import Layout
-from lightning_ep.plan.model import ModelShape, ParamInfo
+from lightning_ep.plan.model import EXPERT_WEIGHTS, ModelShape, ParamInfo, with_lora
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
 Checkpointing = bool | Literal["keep_all_to_all"]
@@ -46,6 +48,9 @@ class Workload:
         micro_batch: sequences per rank per step; seq: tokens per sequence.
         precision, activation_checkpointing: Lightning's ``precision`` and the strategy's argument.
         capacity_factor: ``MoEConfig.capacity_factor`` (``None``: dropless).
+        lora_rank: ``0`` trains every parameter; ``r`` trains LoRA adapters of rank ``r`` only
+            (``model.with_lora``: attention projections and both expert weights).
+        frozen_experts: the strategy's argument: the frozen expert weights' format under LoRA.
     """
 
     micro_batch: int = 1
@@ -53,6 +58,8 @@ class Workload:
     precision: Precision = "bf16-mixed"
     activation_checkpointing: Checkpointing = False
     capacity_factor: float | None = None
+    lora_rank: int = 0
+    frozen_experts: Literal["fp8", "mxfp4"] | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq"):
@@ -68,6 +75,13 @@ class Workload:
             )
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"Workload(capacity_factor={self.capacity_factor!r}): pass a float > 0, or None.")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"Workload(lora_rank={self.lora_rank!r}): pass 0 (a full fine-tune) or a rank >= 1.")
+        if self.frozen_experts is not None and (self.frozen_experts not in FORMATS or not self.lora_rank):
+            raise ValueError(
+                f"Workload(frozen_experts={self.frozen_experts!r}): pass one of {list(FORMATS)} with a lora_rank >= 1 "
+                "(the experts are frozen under LoRA), or None."
+            )
 
     @property
     def tokens(self) -> int:
@@ -143,11 +157,35 @@ def rank_params(shape: ModelShape, layout: Layout, rank: int = 0) -> RankParams:
     return RankParams(dense, experts, len(shape.params))
 
 
+def trained(shape: ModelShape, workload: Workload) -> ModelShape:
+    """``shape`` as ``workload`` trains it: under LoRA (``lora_rank``) with its adapters, the rest frozen."""
+    return with_lora(shape, workload.lora_rank) if workload.lora_rank else shape
+
+
+def _frozen_bytes(param: ParamInfo, layout: Layout, fmt: str) -> int:
+    """Bytes of a frozen expert weight ``[E, R, C]`` kept in ``fmt`` on a rank: its ``E / d`` experts
+    whole (``moe.experts.frozen``: buffers, which FSDP2 does not shard), scales included."""
+    experts, rows, cols = param.shape
+    if fmt == "fp8":
+        per_expert = rows * cols + 4 * -(-rows // FP8_BLOCK[0]) * -(-cols // FP8_BLOCK[1])
+    else:
+        per_expert = rows * cols // 2 + rows * cols // MXFP4_GROUP
+    return experts // layout.degree * per_expert
+
+
 def state_bytes(shape: ModelShape, layout: Layout, workload: Workload, rank: int = 0) -> tuple[int, int, int]:
-    """``(params, grads, optimizer)`` bytes on ``rank``: exact for the strategy's sharding and AdamW."""
-    held = rank_params(shape, layout, rank)
-    params = held.total * workload.param_bytes
-    return params, params, 2 * params + _STEP_BYTES * held.tensors
+    """``(params, grads, optimizer)`` bytes on ``rank``: exact for the strategy's sharding and AdamW
+    (frozen parameters have no gradient or state; frozen expert weights kept in ``frozen_experts``)."""
+    params = grads = tensors = 0
+    for p in trained(shape, workload).params:
+        if not p.trainable and workload.frozen_experts and p.name.endswith(EXPERT_WEIGHTS):
+            params += _frozen_bytes(p, layout, workload.frozen_experts)
+            continue
+        held = local_numel(p, layout, rank) * workload.param_bytes
+        params += held
+        if p.trainable:
+            grads, tensors = grads + held, tensors + 1
+    return params, grads, 2 * grads + _STEP_BYTES * tensors
 
 
 def rows_per_rank(shape: ModelShape, layout: Layout, workload: Workload, case: str) -> int:
@@ -194,15 +232,21 @@ def layer_activation_bytes(shape: ModelShape, workload: Workload, rows: int, moe
     return t * per_token + rows * per_row + t * shape.top_k * h * b
 
 
-def _units(shape: ModelShape, layout: Layout, workload: Workload) -> tuple[int, int, int]:
+def _units(shape: ModelShape, layout: Layout, workload: Workload) -> tuple[int, int, int, int]:
     """Bytes FSDP2 gathers (compute dtype): the root and output head (held from forward to backward),
-    one decoder layer's dense parameters, and one layer's local experts when FSDP2 wraps them."""
+    one decoder layer's dense parameters, one layer's local experts when FSDP2 wraps them (not the
+    frozen weights kept in ``frozen_experts``: buffers); and one layer's trainable share of those."""
     gather = workload.compute_bytes
     head = 0 if shape.tied_embeddings else shape.vocab * shape.hidden
     root = shape.vocab * shape.hidden + shape.hidden + head
-    per_layer_dense = (shape.dense_params - root) // shape.layers
-    experts = shape.expert_params // (shape.moe_layers * layout.degree) if layout.experts_sharded else 0
-    return root * gather, per_layer_dense * gather, experts * gather
+    params = trained(shape, workload).params
+    kept = [p for p in params if p.expert and not (workload.frozen_experts and not p.trainable)]
+    dense = sum(p.numel for p in params if not p.expert)
+    per_layer_dense = (dense - root) // shape.layers
+    experts = sum(p.numel for p in kept) // (shape.moe_layers * layout.degree) if layout.experts_sharded else 0
+    trainable = sum(p.numel for p in params if p.trainable)
+    per_layer_trainable = per_layer_dense + experts if not workload.lora_rank else trainable // shape.layers
+    return root * gather, per_layer_dense * gather, experts * gather, per_layer_trainable * gather
 
 
 def exchange_bytes(shape: ModelShape, layout: Layout, workload: Workload, rows: int) -> int:
@@ -243,13 +287,16 @@ def _peak(shape: ModelShape, layout: Layout, workload: Workload, rank: int, rows
     residual = workload.param_bytes if workload.precision != "bf16-mixed" else _FP32
     moe_every = [i >= shape.layers - shape.moe_layers for i in range(shape.layers)]  # MoE layers last
     # Per MoE layer: the bf16 expert weights cast from fp32 and saved for backward, when FSDP2 does not
-    # wrap the experts (``R x edp = 1``) under ``bf16-mixed`` (``GroupedExperts.compute_dtype``).
-    no_copies = layout.experts_sharded or workload.precision != "bf16-mixed"
-    copies = 0 if no_copies else 2 * (rank_params(shape, layout, rank).experts // shape.moe_layers)
+    # wrap the experts (``R x edp = 1``) under ``bf16-mixed`` (``GroupedExperts.compute_dtype``). Kept
+    # in ``frozen_experts``, one layer's weights are dequantized in its forward and in its backward only.
+    local_experts = rank_params(shape, layout, rank).experts // shape.moe_layers
+    no_copies = layout.experts_sharded or workload.precision != "bf16-mixed" or workload.frozen_experts
+    copies = 0 if no_copies else 2 * local_experts
+    dequantized = b * local_experts if workload.frozen_experts else 0
     full = [layer_activation_bytes(shape, workload, rows, moe) + (copies if moe else 0) for moe in moe_every]
     kept = exchange_bytes(shape, layout, workload, rows) if ac == "keep_all_to_all" else 0
     saved = [t * h * residual + (kept if moe else 0) for moe in moe_every] if ac else full
-    root, layer_dense, layer_experts = _units(shape, layout, workload)
+    root, layer_dense, layer_experts, layer_trainable = _units(shape, layout, workload)
     final = _norm(h, residual) + _inputs(h, 1, workload)
     # The loss: logits (compute dtype), their fp32 copy under bf16, log_softmax's fp32 output.
     logits_forward = t * v * (b + (_FP32 if b == 2 else 0) + _FP32)
@@ -258,12 +305,12 @@ def _peak(shape: ModelShape, layout: Layout, workload: Workload, rank: int, rows
     # Backward, layer by layer from the last: earlier layers' saved activations, this layer's full
     # ones, the gradients made so far, FSDP2's gathered parameters (this layer and the prefetched
     # one) and unsharded gradients (with their fp32 reduce-scatter copy), the GEMMs' temporaries.
-    heads = [p for p in shape.params if not p.expert and ("embed" in p.name or "lm_head" in p.name)]
+    heads = [p for p in trained(shape, workload).params if p.trainable and ("embed" in p.name or "lm_head" in p.name)]
     head_grads = sum(local_numel(p, layout, rank) for p in heads) * workload.param_bytes
     per_layer_grads = (grads - head_grads) // shape.layers
     gathered = 2 * (layer_dense + layer_experts) + root
-    unsharded_grads = (layer_dense + layer_experts) * (1 + (2 if b == 2 else 1))
-    temps = rows * (6 * shape.expert_width + h) * b + t * h * _FP32
+    unsharded_grads = layer_trainable * (1 + (2 if b == 2 else 1))
+    temps = rows * (6 * shape.expert_width + h) * b + t * h * _FP32 + dequantized
     for i in range(shape.layers - 1, -1, -1):
         done = (shape.layers - i) * per_layer_grads + head_grads
         acts = sum(saved[:i]) + full[i]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,13 @@ from lightning_ep.models.registry import FAMILIES, MoEFamily, find_moe_blocks, s
 
 @dataclass(frozen=True)
 class ParamInfo:
-    """One parameter of the model: its name, global shape, and whether it is an expert weight."""
+    """One parameter of the model: its name, global shape, whether it is an expert weight (dim 0 the
+    expert count) and whether it trains."""
 
     name: str
     shape: tuple[int, ...]
     expert: bool
+    trainable: bool = True
 
     @property
     def numel(self) -> int:
@@ -205,6 +207,31 @@ def model_shape(config: Any) -> ModelShape:
         tied_embeddings=bool(tied),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
     )
+
+
+#: The projections LoRA adapts (this library's recipe: the README's, ``benchmarks/bench_step.py``'s ``+lora``).
+LORA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+#: The expert weights it adapts, and that ``frozen_experts`` keeps quantized.
+EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def with_lora(shape: ModelShape, rank: int) -> ModelShape:
+    """``shape`` under LoRA of ``rank``: every parameter frozen, adapters on the attention projections
+    (PEFT's ``lora_A [r, in]``, ``lora_B [out, r]``) and on both expert weights (``A [E, r, in]``,
+    ``B [E, out, r]``, sharded with the experts), which train."""
+    params: list[ParamInfo] = []
+    for p in shape.params:
+        params.append(replace(p, trainable=False))
+        stem = p.name.removesuffix(".weight")
+        if not p.expert and len(p.shape) == 2 and stem.rpartition(".")[2] in LORA_ATTENTION:
+            out, inner = p.shape
+            params.append(ParamInfo(f"{stem}.lora_A.weight", (rank, inner), expert=False))
+            params.append(ParamInfo(f"{stem}.lora_B.weight", (out, rank), expert=False))
+        elif p.expert and p.name.endswith(EXPERT_WEIGHTS):
+            experts, out, inner = p.shape
+            params.append(ParamInfo(f"{p.name}_lora_A", (experts, rank, inner), expert=True))
+            params.append(ParamInfo(f"{p.name}_lora_B", (experts, out, rank), expert=True))
+    return replace(shape, params=tuple(params))
 
 
 def _expert_param_ids(blocks: list[tuple[str, nn.Module]], family: MoEFamily) -> set[int]:

@@ -55,6 +55,7 @@ def header(plan: Plan) -> str:
         f"{plan.layout.world} x {hw.name} ({plan.layout.gpus_per_node} per node), {limit}; "
         f"micro_batch {w.micro_batch} x seq {w.seq}, {w.precision}, activation_checkpointing="
         f"{w.activation_checkpointing!r}, capacity_factor={w.capacity_factor}"
+        + (f"; LoRA rank {w.lora_rank}, frozen experts in {w.frozen_experts or w.precision}" if w.lora_rank else "")
     )
 
 

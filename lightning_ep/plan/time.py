@@ -13,6 +13,10 @@ The model, per step and rank (``T`` tokens, ``d`` the degree, ``b`` bytes per ac
   bandwidth within a node and the network's for the peers on other nodes, plus ``A2A_LATENCY_S`` per
   call (again in the recomputation of ``activation_checkpointing=True``, not of ``"keep_all_to_all"``);
 - activation checkpointing recomputes each layer's forward: compute, passes and host a third more;
+- under LoRA (``Workload.lora_rank``) the frozen weights get no gradient: ``4 x`` FLOPs instead of
+  ``6 x`` (forward and input gradients; the adapters' are not counted), AdamW streams the adapters
+  only, and frozen experts kept in ``frozen_experts`` are dequantized in each forward and backward
+  (one fused kernel: the stored bytes read, the compute dtype written);
 - FSDP2's all-gathers and reduce-scatters and HSDP's all-reduce, overlapped with compute: only what
   exceeds the compute time shows;
 - a host floor of ``HOST_S_PER_STEP`` plus ``HOST_S_PER_LAYER`` per decoder layer (an eager step
@@ -28,8 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lightning_ep.moe.experts.frozen import BYTES_PER_ELEMENT
 from lightning_ep.plan.layouts import Layout
-from lightning_ep.plan.memory import Workload, rank_params, rows_per_rank
+from lightning_ep.plan.memory import Workload, rank_params, rows_per_rank, state_bytes
 from lightning_ep.plan.model import ModelShape
 
 EXPERT_WIDTH_KNEE = 512
@@ -145,21 +150,28 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardwar
     dense_active = shape.active_params - expert_active
     rows = rows_per_rank(shape, layout, workload, "expected")
     fp32_slowdown = 4.0 if workload.precision == "32-true" else 1.0
+    gemm_passes = 4.0 if workload.lora_rank else 6.0  # 2 forward, 2 input gradients, 2 weight gradients
     expert_rate = hw.grouped_tflops * shape.expert_width / (shape.expert_width + EXPERT_WIDTH_KNEE)
-    expert_s = 6.0 * (expert_active * rows / k) / (expert_rate * 1e12)
+    expert_s = gemm_passes * (expert_active * rows / k) / (expert_rate * 1e12)
     a = shape.attention
     attention_flops = 3.0 * shape.layers * workload.seq * a.heads * (a.qk_head_dim + a.v_head_dim) * t
-    dense_s = 6.0 * dense_active * t / (hw.dense_tflops * 1e12)
+    dense_s = gemm_passes * dense_active * t / (hw.dense_tflops * 1e12)
     dense_s += attention_flops / (ATTENTION_EFFICIENCY * hw.dense_tflops * 1e12)
-    recompute = 4.0 / 3.0 if workload.activation_checkpointing else 1.0  # each layer's forward again
+    # each layer's forward again
+    recompute = (gemm_passes + 2.0) / gemm_passes if workload.activation_checkpointing else 1.0
     compute = (expert_s + dense_s) * fp32_slowdown * recompute
     streamed = float(shape.moe_layers * PASSES_PER_ROW * rows * h * b + shape.layers * PASSES_PER_TOKEN * t * h * b)
     streamed *= recompute
     streamed += 6 * t * shape.vocab * 4  # logits, their fp32 copy, log_softmax and its gradient
     local = rank_params(shape, layout).total
-    streamed += local * (7 * workload.param_bytes)  # AdamW reads p, g, m, v and writes p, m, v
+    _, grads, _ = state_bytes(shape, layout, workload)
+    streamed += grads * 7  # AdamW reads p, g, m, v and writes p, m, v of what trains
+    quantized = rank_params(shape, layout).experts if workload.frozen_experts else 0
     if workload.precision == "bf16-mixed":  # fp32 weights cast to bf16 for forward and again for backward
-        streamed += 2 * local * (4 + 2)
+        streamed += 2 * (local - quantized) * (4 + 2)
+    if workload.frozen_experts:
+        moved = BYTES_PER_ELEMENT[workload.frozen_experts] + workload.compute_bytes
+        streamed += (2 + (workload.activation_checkpointing is not False)) * quantized * moved
     a2a_bytes = all_to_all_bytes(shape, layout, workload)
     a2a = shape.moe_layers * _a2a_seconds(a2a_bytes, layout, hw)
     dense_full, expert_full = shape.dense_params, shape.expert_params // layout.degree

@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from lightning_ep.checkpoint import records as checkpoints
 from lightning_ep.execution.choices import Execution, Resolved, with_optimizers
-from lightning_ep.execution.environment import fsdp_options, optimizer_names, resolve_for
+from lightning_ep.execution.environment import expert_lora_ranks, fsdp_options, optimizer_names, resolve_for
 from lightning_ep.models.causal_mask import separate_packed_documents
 from lightning_ep.models.init import materialize_if_meta
 from lightning_ep.models.registry import MoEShape
@@ -213,6 +213,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             hf_model, num_experts=experts, world_size=self.world_size, devices_per_node=n,
             replicate_degree=self.replicate_degree, device=self.root_device, precision=self.precision_plugin.precision,
             plan_batch=self.plan_batch, activation_checkpointing=ac, capacity_factor=cf, rank=r,
+            lora_rank=max(expert_lora_ranks(hf_model), default=0), frozen_experts=self.frozen_experts,
         )  # fmt: skip
 
     @property

@@ -4,7 +4,8 @@ For every family's tiny model and each layout: the sum of the local shard sizes 
 after ``transform(mesh=...)`` and ``shard_model`` (built on meta, nothing allocated) equals the
 plan's count for this rank, and rank 0, whose count the plan reports, holds the most. For Mixtral
 and GPT-OSS (expert biases) with real weights, after a forward, a backward and an AdamW step, the
-bytes of the local gradients and optimizer states equal the plan's, in fp32 and in bf16.
+bytes of the local gradients and optimizer states equal the plan's, in fp32 and in bf16; and so for a
+PEFT LoRA Mixtral with its experts in fp32, FP8 and MXFP4 (``Workload(lora_rank=, frozen_experts=)``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def check_params(rank: int, world: int, layouts: list[tuple[int, int]]) -> None:
         for model_type in ("mixtral", "gpt_oss"):
             for dtype, precision in ((torch.float32, "32-true"), (torch.bfloat16, "bf16-true")):
                 check_states(rank, world, mesh, layout, model_type, dtype, precision)
+        for fmt in (None, "fp8", "mxfp4"):
+            check_lora_states(rank, world, mesh, layout, fmt)
 
 
 def check_states(rank: int, world: int, mesh: Any, layout: Layout, model_type: str, dtype: Any, precision: str) -> None:
@@ -80,6 +83,32 @@ def check_states(rank: int, world: int, mesh: Any, layout: Layout, model_type: s
     plan = state_bytes(model_shape(config), layout, Workload(precision=precision), rank)  # type: ignore[arg-type]
     held = (_local_bytes(params), _local_bytes(p.grad for p in params), _local_bytes(states))
     assert plan == held, (model_type, precision, layout, rank, plan, held)
+
+
+def check_lora_states(rank: int, world: int, mesh: Any, layout: Layout, fmt: str | None) -> None:
+    """A PEFT LoRA Mixtral (rank 8 on attention and both expert weights, ``lora_workers``) with its
+    experts kept in ``fmt`` (or fp32): the bytes of the local parameters and frozen buffers, gradients
+    and AdamW states after a step equal the plan's for ``Workload(lora_rank=8, frozen_experts=fmt)``."""
+    from lora_workers import tiny_peft
+
+    from lightning_ep.moe.experts.frozen import FrozenExpertWeight, keep_frozen_experts
+
+    model = tiny_peft("mixtral", r=8)
+    lightning_ep.transform(model, CONFIG, mesh=mesh)
+    if fmt is not None:
+        keep_frozen_experts(model, fmt)  # type: ignore[arg-type]
+    lightning_ep.shard_model(model, mesh)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    ids = micro_batch(0, rank, batch=1, seq=8)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    frozen = [b for m in model.modules() if isinstance(m, FrozenExpertWeight) for b in m.buffers()]
+    states = [t for state in optimizer.state.values() for t in state.values()]
+    held = (_local_bytes([*model.parameters(), *frozen]), _local_bytes(p.grad for p in trainable), _local_bytes(states))
+    workload = Workload(precision="32-true", lora_rank=8, frozen_experts=fmt)  # type: ignore[arg-type]
+    plan = state_bytes(model_shape(tiny_config("mixtral")), layout, workload, rank)
+    assert plan == held, ("lora", fmt, layout, rank, plan, held)
 
 
 def run_plan_checks(rank: int, world: int, layouts: list[tuple[int, int]]) -> None:

@@ -1,5 +1,6 @@
 """Frozen expert weights kept in FP8 or MXFP4 on CUDA.
 
+- The fused dequantization (one Inductor kernel a weight) gives the CPU's values exactly.
 - The LoRA step of a tiny Mixtral in bf16 (grouped GEMMs, the fused SwiGLU) with its experts kept
   quantized equals, bit for bit, the step of the same model whose expert parameters hold the
   dequantized values, as on the CPU.
@@ -70,6 +71,15 @@ def test_lora_step_equals_the_step_on_dequantized_weights_on_cuda(fmt: str) -> N
     for name, p in model.named_parameters():
         if p.requires_grad:
             assert torch.equal(p.grad, expected[name].grad), name
+
+
+@pytest.mark.parametrize(("fmt", "transposed"), [("fp8", False), ("mxfp4", False), ("mxfp4", True)])
+def test_fused_dequantization_equals_the_cpu_s(fmt: str, transposed: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 320, 192, generator=g) * torch.logspace(-3, 0, 192)  # partial FP8 blocks on both dims
+    frozen = FrozenExpertWeight(fmt, nn.Parameter(w.cuda(), requires_grad=False), transposed=transposed)  # type: ignore[arg-type]
+    on_gpu = frozen.dequantize(torch.bfloat16)
+    assert torch.equal(on_gpu.cpu(), frozen.cpu().dequantize(torch.bfloat16))
 
 
 def test_no_dequantized_weight_is_kept_between_forward_and_backward() -> None:

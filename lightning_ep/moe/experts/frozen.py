@@ -26,6 +26,7 @@ rank that holds them; weights published in these formats are copied as they are 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal, get_args
@@ -134,22 +135,20 @@ class FrozenExpertWeight(nn.Module):
 
     def dequantize(self, dtype: torch.dtype, experts: slice | None = None) -> torch.Tensor:
         """The local experts (``experts`` of them: all by default) as ``[L, R, C]`` in ``dtype``:
-        exactly ``data * scale_inv`` / the E2M1 value times ``2^(scale - 127)``, computed in fp32
-        ``DEQUANTIZE_ELEMENTS`` at a time (whole experts) and written into the result."""
+        exactly ``data * scale_inv`` / the E2M1 value times ``2^(scale - 127)``, computed in fp32.
+        On CUDA one fused kernel per weight (``_fused``: the stored bytes read, ``dtype`` written);
+        elsewhere ``DEQUANTIZE_ELEMENTS`` at a time (whole experts) through an fp32 copy."""
         stored = {name: t[experts or slice(None)] for name, t in self.stored().items()}
-        count = next(iter(stored.values())).shape[0]
         first = next(iter(stored.values()))
-        out = torch.empty((count, *self.global_shape[1:]), dtype=dtype, device=first.device)
-        step = max(1, DEQUANTIZE_ELEMENTS // max(1, out[0].numel()))
         with torch.no_grad():
-            for start in range(0, count, step):
+            fused = _fused() if first.is_cuda and not torch.compiler.is_compiling() else None
+            if fused is not None:
+                return fused(self.format, self.transposed, stored, dtype)
+            out = torch.empty((first.shape[0], *self.global_shape[1:]), dtype=dtype, device=first.device)
+            step = max(1, DEQUANTIZE_ELEMENTS // max(1, out[0].numel()))
+            for start in range(0, first.shape[0], step):
                 chunk = {name: t[start : start + step] for name, t in stored.items()}
-                if self.format == "fp8":
-                    values = _dequantize_fp8(chunk["data"], chunk["scale_inv"])
-                else:
-                    values = dequantize_mxfp4(chunk["blocks"], chunk["scales"], torch.float32)  # [n, out, in]
-                    values = values.transpose(-1, -2) if self.transposed else values
-                out[start : start + step] = values
+                out[start : start + step] = _values(self.format, self.transposed, chunk, dtype)
         return out
 
     def extra_repr(self) -> str:
@@ -191,6 +190,26 @@ def keep_frozen_experts(model: nn.Module, format: Format) -> list[str]:
             setattr(module, weight, frozen)
             replaced.append(f"{prefix}.{weight}")
     return replaced
+
+
+def _values(format: str, transposed: bool, stored: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Whole experts' stored buffers as ``[n, R, C]`` values in ``dtype``, computed in fp32."""
+    if format == "fp8":
+        return _dequantize_fp8(stored["data"], stored["scale_inv"]).to(dtype)
+    values = dequantize_mxfp4(stored["blocks"], stored["scales"], torch.float32)  # [n, out, in]
+    return (values.transpose(-1, -2) if transposed else values).to(dtype)
+
+
+@functools.cache
+def _fused() -> Callable[..., torch.Tensor] | None:
+    """``_values`` compiled by Inductor, one Triton kernel per weight shape, or ``None`` without
+    Triton. The eager path moves about 19 bytes an FP8 element (the fp32 copy written, scaled in place
+    and cast); this one 3 (the byte read, bf16 written): the same fp32 products."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    return torch.compile(_values, dynamic=False)
 
 
 def _dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
