@@ -11,6 +11,7 @@ Legend: E experts, I expert intermediate size, H hidden size; a fused expert wei
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Callable
 from contextlib import closing
@@ -27,7 +28,7 @@ from lightning_ep.models.hf_export import LIBRARY_BUFFERS, PathLike, detect_pref
 from lightning_ep.models.hf_layout import FolderLayout, Source, Stacked, Whole, layout, source_keys, source_shape
 from lightning_ep.models.hf_stored import MXFP4, BlockFP8, Encoded, Opener
 from lightning_ep.moe.experts.frozen import FrozenExpertWeight
-from lightning_ep.moe.quantized import FP8_BLOCK, scale_values
+from lightning_ep.moe.quantized import scale_values
 
 # Rows of a block dequantized and copied at a time: bounds the transient fp32 copy of a large block.
 CHUNK_BYTES = 64 << 20
@@ -98,6 +99,7 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
     found = layout(hf_model, folder, [name for names, _ in [*tensors, *frozen] for name in names])
     reads = [read for names, tensor in tensors for read in _plan_tensor(names, tensor, found)]
     frozen_reads = [_plan_frozen(names[0], weight, found) for names, weight in frozen]
+    requantized = [name for (name, _), (_, again) in zip(frozen, frozen_reads, strict=True) if again]
     if found.unmatched:
         unexpected = sorted(found.unmatched)
         raise ValueError(
@@ -107,11 +109,22 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
             f"Build the model from the folder's config: AutoConfig.from_pretrained({str(folder)!r})."
         )
     ignored = found.ignored_line()  # one warning, on rank 0, naming the folder's weights the model does not use
-    if ignored is not None and (not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0):
+    rank_zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if ignored is not None and rank_zero:
         warnings.warn(ignored, stacklevel=2)
+    if requantized and rank_zero:
+        weight = frozen[0][1]
+        warnings.warn(
+            f"load_pretrained_sharded: {folder} stores {len(requantized)} expert weights (e.g. {requantized[0][0]!r}) "
+            f"quantized otherwise than the model keeps them ({weight.format}"
+            + (f", blocks of {list(weight.block)}" if weight.format == "fp8" else "")
+            + "): they are dequantized and quantized again, and their values change by that rounding. Keep them "
+            "as published with frozen_experts set to the folder's format.",
+            stacklevel=2,
+        )
     _read_all(reads)
     with closing(Opener()) as opener:
-        for load in frozen_reads:
+        for load, _ in frozen_reads:
             load(opener)
     return model
 
@@ -229,10 +242,11 @@ def _plan_experts(
     return reads
 
 
-def _plan_frozen(name: str, weight: FrozenExpertWeight, found: FolderLayout) -> Callable[[Opener], None]:
+def _plan_frozen(name: str, weight: FrozenExpertWeight, found: FolderLayout) -> tuple[Callable[[Opener], None], bool]:
     """The load of this rank's experts of a frozen weight kept quantized: the folder's FP8 blocks or
     MXFP4 bytes copied as they are when they are in the weight's format, else each expert read in fp32
-    (dequantized if stored so) and quantized, one expert at a time."""
+    (dequantized if stored so) and quantized, one expert at a time; and whether the folder stored them
+    quantized otherwise (so that their values change)."""
     source = found.sources.get(name)
     if source is None:
         raise ValueError(
@@ -257,7 +271,7 @@ def _plan_frozen(name: str, weight: FrozenExpertWeight, found: FolderLayout) -> 
                 for part, row0, part_rows in raw[first + e]:
                     _copy_raw(opener, part, weight, e, first + e, row0, part_rows)
 
-        return copy
+        return copy, False
     buffer = torch.empty(1, rows, cols, dtype=torch.float32, device=next(iter(local.values())).device)
     plans = [
         _plan_experts(
@@ -273,7 +287,8 @@ def _plan_frozen(name: str, weight: FrozenExpertWeight, found: FolderLayout) -> 
             _read_all(reads)
             weight.store_(buffer, e)
 
-    return quantize
+    parts = [source.source] if isinstance(source, Whole) else [p for parts in source.parts for p in parts]
+    return quantize, any(isinstance(p, (BlockFP8, MXFP4)) for p in parts)
 
 
 def _frozen_first_expert(weight: FrozenExpertWeight) -> int:
@@ -299,8 +314,8 @@ def _raw_parts(source: Source, weight: FrozenExpertWeight) -> list[list[tuple[En
         for part in parts:
             part_rows = part.shape[-2]
             if weight.format == "fp8":
-                aligned = row0 % FP8_BLOCK[0] == 0 and (part_rows % FP8_BLOCK[0] == 0 or part is parts[-1])
-                if not (isinstance(part, BlockFP8) and _same_grid(part) and aligned):
+                aligned = row0 % weight.block[0] == 0 and (part_rows % weight.block[0] == 0 or part is parts[-1])
+                if not (isinstance(part, BlockFP8) and _same_grid(part, weight.block) and aligned):
                     return None
             elif not (isinstance(part, MXFP4) and isinstance(source, Whole) and weight.transposed):
                 return None
@@ -310,9 +325,14 @@ def _raw_parts(source: Source, weight: FrozenExpertWeight) -> list[list[tuple[En
     return out
 
 
-def _same_grid(part: BlockFP8) -> bool:
-    """Whether ``part``'s scale blocks are ``FP8_BLOCK``'s (one scale for a part within one block is)."""
-    return part.block == FP8_BLOCK or (part.block == part.shape[-2:] and all(map(int.__le__, part.block, FP8_BLOCK)))
+def _same_grid(part: BlockFP8, block: tuple[int, int]) -> bool:
+    """Whether ``part``'s scales form ``block``'s grid over it (one scale for a part within one block
+    does), one grid per expert."""
+    if len(part.scale.shape) not in (len(part.shape), 0) and math.prod(part.scale.shape) != 1:
+        return False
+    if len(part.shape) == 3 and len(part.scale.shape) != 3:  # a fused tensor needs a grid per expert
+        return False
+    return part.block == block or (part.block == part.shape[-2:] and all(map(int.__le__, part.block, block)))
 
 
 def _copy_raw(
@@ -325,7 +345,7 @@ def _copy_raw(
         data = opener.read(part.data, (*lead, slice(0, rows), slice(0, weight.shape[2])))
         scale = opener.read(part.scale, (*lead, *(slice(0, n) for n in part.scale.shape[len(lead) :])))
         stored["data"][local, row0 : row0 + rows] = data.reshape(rows, -1).view(torch.uint8)
-        grid_rows, grid0 = -(-rows // FP8_BLOCK[0]), row0 // FP8_BLOCK[0]
+        grid_rows, grid0 = -(-rows // weight.block[0]), row0 // weight.block[0]
         stored["scale_inv"][local, grid0 : grid0 + grid_rows] = scale_values(scale).reshape(grid_rows, -1)
     else:
         assert isinstance(part, MXFP4)

@@ -41,3 +41,15 @@ def from_pretrained(folder: str | Path, **config_overrides: Any) -> nn.Module:
         model = AutoModelForCausalLM.from_config(config)
     setattr(model, PRETRAINED_ATTR, str(folder))
     return model
+
+
+def published_fp8_block(model: nn.Module) -> tuple[int, int]:
+    """The FP8 block (``weight_block_size``) of the folder ``model`` is marked to load from, when that
+    folder ships FP8 weights; else ``moe.quantized.FP8_BLOCK``."""
+    from lightning_ep.models.hf_stored import quantization_config
+    from lightning_ep.moe.quantized import FP8_BLOCK
+
+    folder = getattr(model, PRETRAINED_ATTR, None)
+    quant = quantization_config(Path(folder)) if folder is not None else {}
+    block = quant.get("weight_block_size") if quant.get("quant_method") == "fp8" else None
+    return (int(block[0]), int(block[1])) if block else FP8_BLOCK

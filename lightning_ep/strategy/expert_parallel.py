@@ -30,6 +30,7 @@ from lightning_ep.execution.choices import Execution, Resolved, with_optimizers
 from lightning_ep.execution.environment import expert_lora_ranks, fsdp_options, optimizer_names, resolve_for
 from lightning_ep.models.causal_mask import separate_packed_documents
 from lightning_ep.models.init import materialize_if_meta
+from lightning_ep.models.pretrained import published_fp8_block
 from lightning_ep.models.registry import MoEShape
 from lightning_ep.moe.config import MoEConfig
 from lightning_ep.moe.experts.frozen import keep_frozen_experts
@@ -313,7 +314,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 execution = self.resolved.layers if self.resolved is not None else None
                 transform(hf_model, self.moe, mesh=mesh, execution=execution)
                 if self.frozen_experts is not None:
-                    keep_frozen_experts(hf_model, self.frozen_experts)
+                    keep_frozen_experts(hf_model, self.frozen_experts, block=published_fp8_block(hf_model))
             shard_model(hf_model, mesh, **fsdp_options(self), in_place_on_one_rank=single_rank)
             blocks = decoder_blocks(hf_model)
         else:

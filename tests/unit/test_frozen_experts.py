@@ -214,13 +214,13 @@ def test_transformers_experts_implementation_is_refused_on_quantized_experts() -
 # --------------------------------------------------------------------------------------------
 
 
-def _meta_frozen(model_type: str, fmt: str, **overrides: object) -> nn.Module:
+def _meta_frozen(model_type: str, fmt: str, block: tuple[int, int] = (128, 128), **overrides: object) -> nn.Module:
     """A transformed model on the meta device with frozen experts in ``fmt``, allocated on the CPU."""
     with torch.device("meta"):
         model = tiny_base(model_type, seed=11) if model_type == "mixtral" else tiny_family(model_type, 11, **overrides)
     model.requires_grad_(False)
     lightning_ep.transform(model, CONFIG)
-    keep_frozen_experts(model, fmt)  # type: ignore[arg-type]
+    keep_frozen_experts(model, fmt, block=block)  # type: ignore[arg-type]
     return model.to_empty(device="cpu")
 
 
@@ -230,12 +230,16 @@ def _load(model: nn.Module, folder: Path) -> nn.Module:
         return load_pretrained_sharded(model, folder)
 
 
-def test_fp8_folder_is_copied_byte_for_byte(tmp_path: Path) -> None:
-    # moe_intermediate_size 128: the gate and up parts of each expert fill whole 128-row blocks.
-    source = tiny_family("deepseek_v3", moe_intermediate_size=128)
-    folder = write_fp8(source, tmp_path / "fp8", block=(128, 128))
+@pytest.mark.parametrize(("block", "width"), [((128, 128), 128), ((16, 16), 32)])
+def test_fp8_folder_is_copied_byte_for_byte(tmp_path: Path, block: tuple[int, int], width: int) -> None:
+    # Blocks of 128 (DeepSeek-V3's) over experts of width 128, and the folder's own blocks of 16 kept as
+    # published (the strategy passes weight_block_size): the gate and up parts fill whole blocks.
+    source = tiny_family("deepseek_v3", moe_intermediate_size=width)
+    folder = write_fp8(source, tmp_path / "fp8", block=block)
     stored = read_folder(folder)
-    model = _load(_meta_frozen("deepseek_v3", "fp8", moe_intermediate_size=128), folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no requantization warning: the bytes are kept
+        model = _load(_meta_frozen("deepseek_v3", "fp8", block, moe_intermediate_size=width), folder)
     weights = frozen_weights(model)
     assert weights
     for name, frozen in weights.items():
@@ -261,6 +265,24 @@ def test_mxfp4_folder_is_copied_byte_for_byte_and_exports_dequantized(tmp_path: 
     exported = read_folder(out)
     for name, frozen in frozen_weights(model).items():
         assert torch.equal(exported[name], frozen.dequantize(torch.bfloat16)), name
+
+
+def test_a_folder_in_another_format_is_requantized_with_one_warning(tmp_path: Path) -> None:
+    folder = write_mxfp4(tiny_family("gpt_oss"), tmp_path / "mxfp4")
+    model = _meta_frozen("gpt_oss", "fp8")
+    with pytest.warns(
+        UserWarning, match=r"stores 4 expert weights .* quantized otherwise than the model keeps them \(fp8"
+    ):
+        load_pretrained_sharded(model, folder)
+    for name, frozen in frozen_weights(model).items():  # the MXFP4 values, rounded to FP8
+        expected = FrozenExpertWeight("fp8", mxfp4_by_hand(folder, name)).dequantize(torch.float32)
+        assert torch.equal(frozen.dequantize(torch.float32), expected), name
+
+
+def mxfp4_by_hand(folder: Path, name: str) -> torch.Tensor:
+    """The folder's MXFP4 weight ``name`` dequantized by hand, in the model's ``[E, in, out]`` layout."""
+    stored = read_folder(folder)
+    return mxfp4_dequantize_by_hand(stored[f"{name}_blocks"], stored[f"{name}_scales"]).transpose(1, 2)
 
 
 def test_bf16_folder_is_quantized_expert_by_expert(tmp_path: Path) -> None:
@@ -309,3 +331,13 @@ def test_cuda_graphs_are_refused_on_quantized_experts() -> None:
     experts = lightning_ep.moe_layers(model)[0].experts
     with pytest.raises(ValueError, match=r"keeps its frozen experts quantized \(frozen_experts\)"):
         LayerGraphs(LocalDispatcher(8), experts)
+
+
+def test_the_strategy_keeps_an_fp8_folder_s_own_blocks(tmp_path: Path) -> None:
+    from lightning_ep.models.pretrained import from_pretrained, published_fp8_block
+
+    write_fp8(tiny_family("deepseek_v3"), tmp_path / "fp8", block=(16, 16))
+    tiny_base("mixtral").save_pretrained(tmp_path / "plain")
+    assert published_fp8_block(from_pretrained(tmp_path / "fp8")) == (16, 16)
+    assert published_fp8_block(from_pretrained(tmp_path / "plain")) == (128, 128)
+    assert published_fp8_block(tiny_base("mixtral")) == (128, 128)

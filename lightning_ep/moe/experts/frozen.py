@@ -66,21 +66,24 @@ class FrozenExpertWeight(nn.Module):
         like: the weight it replaces (a Parameter, a DTensor sharded on dim 0, or on the meta device):
             its shape, placement and device; its values are quantized unless on the meta device.
         transposed: the weight is ``[E, in, out]`` (GPT-OSS); MXFP4 groups run along ``in``.
+        block: FP8's rows and columns per scale (a folder's ``weight_block_size``, kept as published).
     """
 
     requires_grad = False
 
-    def __init__(self, format: Format, like: torch.Tensor, *, transposed: bool = False) -> None:
+    def __init__(
+        self, format: Format, like: torch.Tensor, *, transposed: bool = False, block: tuple[int, int] = FP8_BLOCK
+    ) -> None:
         super().__init__()
         if format not in FORMATS:
             raise ValueError(f"FrozenExpertWeight(format={format!r}): pass one of {list(FORMATS)}.")
         if like.ndim != 3:
             raise ValueError(f"FrozenExpertWeight: expert weights are [E, R, C], got {list(like.shape)}.")
-        self.format, self.transposed = format, transposed
+        self.format, self.transposed, self.block = format, transposed, (int(block[0]), int(block[1]))
         self.global_shape = tuple(like.shape)
         experts, rows, cols = self.global_shape
         if format == "fp8":
-            grid = (experts, -(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
+            grid = (experts, -(-rows // self.block[0]), -(-cols // self.block[1]))
             specs = {"data": (self.global_shape, torch.uint8), "scale_inv": (grid, torch.float32)}
         else:
             out, inner = (cols, rows) if transposed else (rows, cols)
@@ -118,7 +121,7 @@ class FrozenExpertWeight(nn.Module):
         """Quantize ``values [n, R, C]`` (any float dtype) into local experts ``first .. first + n - 1``."""
         stored, rows = self.stored(), slice(first, first + values.shape[0])
         if self.format == "fp8":
-            data, scale_inv = quantize_fp8(values)
+            data, scale_inv = quantize_fp8(values, self.block)
             stored["data"][rows], stored["scale_inv"][rows] = data.view(torch.uint8), scale_inv
         else:
             # quantize_mxfp4 groups along the last dim: ``in`` is C untransposed, R transposed.
@@ -143,23 +146,27 @@ class FrozenExpertWeight(nn.Module):
         with torch.no_grad():
             fused = _fused() if first.is_cuda and not torch.compiler.is_compiling() else None
             if fused is not None:
-                return fused(self.format, self.transposed, stored, dtype)
+                return fused(self.format, self.transposed, self.block, stored, dtype)
             out = torch.empty((first.shape[0], *self.global_shape[1:]), dtype=dtype, device=first.device)
             step = max(1, DEQUANTIZE_ELEMENTS // max(1, out[0].numel()))
             for start in range(0, first.shape[0], step):
                 chunk = {name: t[start : start + step] for name, t in stored.items()}
-                out[start : start + step] = _values(self.format, self.transposed, chunk, dtype)
+                out[start : start + step] = _values(self.format, self.transposed, self.block, chunk, dtype)
         return out
 
     def extra_repr(self) -> str:
-        return f"format={self.format}, shape={list(self.global_shape)}" + (", transposed" if self.transposed else "")
+        block = f", block={list(self.block)}" if self.format == "fp8" else ""
+        return f"format={self.format}, shape={list(self.global_shape)}{block}" + (
+            ", transposed" if self.transposed else ""
+        )
 
 
-def keep_frozen_experts(model: nn.Module, format: Format) -> list[str]:
+def keep_frozen_experts(model: nn.Module, format: Format, *, block: tuple[int, int] = FP8_BLOCK) -> list[str]:
     """Replace the routed-expert weights (``gate_up_proj``, ``down_proj``) of every experts module of this
     library in ``model`` by ``FrozenExpertWeight``s in ``format``: after ``transform``, before FSDP2
     (``shard_model``) and before the weights are allocated (meta) or with their values (quantized here,
-    one local expert at a time). Idempotent. Returns the names of the weights replaced.
+    one local expert at a time). ``block``: FP8's block, the folder's ``weight_block_size`` when it ships
+    FP8 (the strategy passes it). Idempotent. Returns the names of the weights replaced.
 
     Raises ``ValueError`` naming the weight when a routed-expert weight requires grad (a weight that
     trains cannot be kept quantized), or when ``model`` holds no experts module of this library.
@@ -185,17 +192,19 @@ def keep_frozen_experts(model: nn.Module, format: Format) -> list[str]:
                     "get_peft_model freezes the base weights) or call requires_grad_(False) on them in "
                     "configure_model; or drop frozen_experts to train them in full."
                 )
-            frozen = FrozenExpertWeight(format, param, transposed=module.transposed_weights)
+            frozen = FrozenExpertWeight(format, param, transposed=module.transposed_weights, block=block)
             delattr(module, weight)
             setattr(module, weight, frozen)
             replaced.append(f"{prefix}.{weight}")
     return replaced
 
 
-def _values(format: str, transposed: bool, stored: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def _values(
+    format: str, transposed: bool, block: tuple[int, int], stored: dict[str, torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
     """Whole experts' stored buffers as ``[n, R, C]`` values in ``dtype``, computed in fp32."""
     if format == "fp8":
-        return _dequantize_fp8(stored["data"], stored["scale_inv"]).to(dtype)
+        return _dequantize_fp8(stored["data"], stored["scale_inv"], block).to(dtype)
     values = dequantize_mxfp4(stored["blocks"], stored["scales"], torch.float32)  # [n, out, in]
     return (values.transpose(-1, -2) if transposed else values).to(dtype)
 
@@ -212,10 +221,10 @@ def _fused() -> Callable[..., torch.Tensor] | None:
     return torch.compile(_values, dynamic=False)
 
 
-def _dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+def _dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``data [n, R, C]`` (e4m3 bytes) times its block scales, in fp32: ``dequantize_fp8_block``'s
     products, with the scales repeated over rows only and broadcast over each block's columns."""
-    (br, bc), cols = FP8_BLOCK, data.shape[-1]
+    (br, bc), cols = block, data.shape[-1]
     scale_rows = scale_inv.repeat_interleave(br, dim=-2)[..., : data.shape[-2], :]  # [n, R, ceil(C / bc)]
     values = data.view(torch.float8_e4m3fn).to(torch.float32)
     full = cols // bc
