@@ -256,7 +256,7 @@ def run_fp32_experts_refuse_graphs(rank: int, world: int) -> None:
         layer(x)
     except ValueError as error:
         message = str(error)
-        assert "cuda_graphs=True needs the experts' grouped GEMM" in message, message
+        assert "cuda_graphs=True) needs the experts' grouped GEMM" in message, message
         assert "torch.float32" in message and "cuda_graphs=False" in message, message
     else:
         raise AssertionError("cuda_graphs captured fp32 experts, whose per-expert loop reads the host")

@@ -79,7 +79,7 @@ def _fit(
         def on_train_end(self) -> None:  # before the strategy's teardown drops the graphs
             from lightning_ep import moe_layers
 
-            graphs = [layer.graphed.graphs for layer in moe_layers(self)]
+            graphs = [layer.graphed.graphs for layer in moe_layers(self) if layer.graphed is not None]
             self.captured = any(g is not None and g.fwd is not None for g in graphs)
 
     data = torch.randint(0, 128, (STEPS * 4, 32), generator=torch.Generator().manual_seed(1))

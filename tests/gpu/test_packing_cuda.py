@@ -5,7 +5,7 @@ families, a full and a sliding-window one for GPT-OSS and Qwen2-MoE), before the
 that keeps the documents apart (``lightning_ep.models.causal_mask.separate_packed_documents``) reads no
 tensor, and the MoE layers see no padding in a packed row. So a forward and backward of a packed row
 makes at most that many syncs more than the same tokens as one row without positions (transformers
-5.17 reads the documents once for GPT-OSS's two masks), and as many with 2 decoder layers as with 4.
+5.17 reads the documents once for GPT-OSS's two masks), and no more with 4 decoder layers than with 2.
 bf16, so that the experts run the grouped GEMM, which reads no count back. The numbers are the CPU
 tests' (``tests/unit/test_packing.py``).
 """
@@ -42,4 +42,5 @@ def test_a_packed_row_syncs_once_per_mask_not_per_layer(family: str) -> None:
         step(packed)  # first-use work (allocations, lazy initialisation) stays out of the count
         step(unpacked)
         extras.append(count_syncs(lambda: step(packed)) - count_syncs(lambda: step(unpacked)))
-    assert extras[0] == extras[1] and 1 <= extras[0] <= MASKS[family], (family, extras)
+    # Not per layer: 4 layers cost no more than 2, and neither more than one sync per mask.
+    assert extras[1] <= extras[0] <= MASKS[family] and extras[1] >= 0, (family, extras)
