@@ -341,3 +341,36 @@ def test_the_strategy_keeps_an_fp8_folder_s_own_blocks(tmp_path: Path) -> None:
     assert published_fp8_block(from_pretrained(tmp_path / "fp8")) == (16, 16)
     assert published_fp8_block(from_pretrained(tmp_path / "plain")) == (128, 128)
     assert published_fp8_block(tiny_base("mixtral")) == (128, 128)
+
+
+def test_saved_activations_reach_the_hooks_in_force_and_weights_do_not() -> None:
+    """Activation checkpointing keeps nothing of a layer until its recomputation by its own saved-tensor
+    hooks; the experts' hooks hand every other saved tensor on to them, so a checkpointed layer keeps no
+    expert activations either, and the LoRA step under checkpointing still equals the reference's."""
+    model, reference = _models("mixtral", "fp8", torch.float32)
+    weight_shapes = {tuple(m.shape) for m in frozen_weights(model).values()}
+    weight_shapes |= {(e, c, r) for e, r, c in weight_shapes}  # the transposed views the GEMMs save
+    seen: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(t.shape))
+        return t
+
+    ids = micro_batch(0, 0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    # The expert adapters' A [E, r, H], which only the experts' GEMMs save, reach the hooks; no weight does.
+    assert (8, 8, 64) in seen and not weight_shapes & set(seen)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    for m in (model, reference):
+        m.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = model(input_ids=ids, labels=ids).loss
+    checkpointed.backward()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    assert torch.equal(checkpointed, loss)
+    expected = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.grad, grads[name]) and torch.equal(p.grad, expected[name].grad), name

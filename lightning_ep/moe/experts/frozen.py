@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -256,24 +257,37 @@ def recomputed_in_backward(
 ) -> Iterator[None]:
     """Within the block, autograd saves no view of ``weights[k]`` (tensors made by ``recompute[k]()``):
     it keeps the view's geometry and rebuilds it from a fresh ``recompute[k]()`` when the backward reads
-    it. Other saved tensors are kept as usual."""
+    it. Other saved tensors go to the hooks already in force (activation checkpointing's, which drop them
+    until the recomputation), or are kept as usual."""
     # Keys only: the hooks outlive the block in the graph, and must not keep the weights alive.
     storages = {(w.untyped_storage().data_ptr(), w.dtype): k for k, w in enumerate(weights)}
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    outer = top(False) if top is not None else None
+    outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
-    def pack(t: torch.Tensor) -> torch.Tensor | tuple[int, tuple[int, ...], tuple[int, ...], int]:
+    def pack(t: torch.Tensor) -> object:
         k = storages.get((t.untyped_storage().data_ptr(), t.dtype)) if t.device.type != "meta" else None
-        if k is None:
-            return t
-        return (k, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        if k is not None:
+            return _Recipe(k, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        return t if outer_pack is None else outer_pack(t)
 
-    def unpack(saved: torch.Tensor | tuple[int, tuple[int, ...], tuple[int, ...], int]) -> torch.Tensor:
-        if isinstance(saved, torch.Tensor):
-            return saved
-        k, shape, stride, offset = saved
-        return recompute[k]().as_strided(shape, stride, offset)
+    def unpack(saved: object) -> torch.Tensor:
+        if isinstance(saved, _Recipe):
+            return recompute[saved.k]().as_strided(saved.shape, saved.stride, saved.offset)
+        return saved if outer_unpack is None else outer_unpack(saved)  # type: ignore[return-value]
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """A saved view of the ``k``-th weight, rebuilt from a fresh dequantization."""
+
+    k: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
 
 
 __all__ = [
