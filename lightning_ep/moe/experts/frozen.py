@@ -8,8 +8,8 @@ low-precision layout, with no gradient and no optimizer state:
 
 - ``"fp8"``: ``data [E, R, C]`` (float8_e4m3fn values, held as their bytes, ``uint8``, which every
   collective and checkpoint writer takes) and ``scale_inv float32 [E, ceil(R/128), ceil(C/128)]``,
-  one scale per 128 x 128 block as DeepSeek-V3 ships them (``weight = data * scale_inv``); 1.0 byte
-  an element and a 1/4096 of it in scales.
+  one scale per 128 x 128 block as DeepSeek-V3 ships them, or per the folder's own block
+  (``weight = data * scale_inv``); 1.0 byte an element and a 1/4096 of it in scales.
 - ``"mxfp4"``: ``blocks uint8 [E, out, in/32, 16]`` (two E2M1 values a byte, low nibble first) and
   ``scales uint8 [E, out, in/32]`` (E8M0 exponents, one per 32 values along ``in``), as GPT-OSS ships
   them; 0.53 byte an element. ``in`` is the input features: ``C`` for ``[E, out, in]`` weights, ``R``
