@@ -57,7 +57,7 @@ _SWITCHES = ("compile", "cuda_graphs", "token_dedup", "single_rank_fsdp", "fused
 LARGE_EXPERT_ELEMENTS = 2**25
 #: The setup table's words for the strategy's ``frozen_experts`` formats.
 FROZEN_FORMATS = {
-    "fp8": "FP8 e4m3 with 128 x 128 block scales; dequantized per layer, forward and backward",
+    "fp8": "FP8 e4m3 with block scales (128 x 128, or the folder's); dequantized per layer, forward and backward",
     "mxfp4": "MXFP4: E2M1 values, an E8M0 scale per 32; dequantized per layer, forward and backward",
 }
 
