@@ -19,8 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ep.moe.quantized import FP8_BLOCK, dequantize_fp8_block, dequantize_mxfp4
-
 # Persistent buffers this library adds to Hugging Face modules ("balanced" mode's router bias).
 LIBRARY_BUFFERS = ("expert_bias",)
 # Files of a Hugging Face folder, besides weights and config.json, that export_hf copies along.
@@ -110,7 +108,7 @@ def export_hf(
 
     def write() -> None:
         full = state if state is not None else _read_checkpoint(source)  # type: ignore[arg-type]
-        full = _dequantize_frozen(full, config)
+        full = _dequantize_frozen(full)
         names_prefix = prefix
         if lora_config is not None:
             from lightning_ep.models.lora_export import merged_state
@@ -225,22 +223,24 @@ def _read_checkpoint(source: Mapping[str, Any] | PathLike) -> dict[str, Any]:
 
 
 def _read_dcp(path: Path) -> dict[str, Any]:
-    """The tensors of a DCP checkpoint's ``"state_dict"`` (or of a plain model state dict), loaded whole
-    without a process group."""
+    """The tensors of a DCP checkpoint's ``"state_dict"`` (or of a plain model state dict), and the extra
+    states of frozen expert weights kept quantized, loaded whole without a process group."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    tensors = {
-        fqn: meta for fqn, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)
-    }
-    paths = {fqn: tuple(metadata.planner_data[fqn]) if metadata.planner_data else (fqn,) for fqn in tensors}
-    lightning = any(p[0] == "state_dict" and len(p) == 2 for p in paths.values())
-    state: dict[str, Any] = {
-        str(path[-1]): torch.empty(tensors[fqn].size, dtype=tensors[fqn].properties.dtype)
-        for fqn, path in paths.items()
-        if (path[0] == "state_dict" and len(path) == 2 if lightning else len(path) == 1)  # no optimizer states
-    }
+    planned = metadata.planner_data or {}
+    paths = {fqn: tuple(planned.get(fqn, (fqn,))) for fqn in metadata.state_dict_metadata}
+    lightning = any(p[0] == "state_dict" and len(p) >= 2 for p in paths.values())
+    state: dict[str, Any] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if lightning and paths[fqn][0] != "state_dict":
+            continue  # optimizer states, loops
+        keys = paths[fqn][1:] if lightning else paths[fqn]
+        if isinstance(meta, TensorStorageMetadata) and len(keys) == 1:
+            state[str(keys[0])] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        elif isinstance(meta, BytesStorageMetadata) and len(keys) == 2 and str(keys[0]).endswith("._extra_state"):
+            state.setdefault(str(keys[0]), {})[str(keys[1])] = None  # loaded as the object saved
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*no_dist.*|.*single process.*")
         dcp.load({"state_dict": state} if lightning else state, checkpoint_id=str(path), no_dist=True)
@@ -311,25 +311,20 @@ def detect_prefix(keys: list[str] | set[str], hf_keys: Mapping[str, Any] | set[s
     return tied[0]
 
 
-def _dequantize_frozen(state: dict[str, Any], config: Any) -> dict[str, Any]:
-    """``state`` with each frozen expert weight kept quantized (``moe.experts.frozen``: ``<w>.data`` +
-    ``<w>.scale_inv``, or ``<w>.blocks`` + ``<w>.scales``) as ``<w>`` in fp32, exactly its values."""
-    from lightning_ep.models.registry import FAMILIES, supported_model_types
+def _dequantize_frozen(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each frozen expert weight kept quantized (``moe.experts.frozen``: its buffers
+    ``<w>.<name>`` and its ``<w>._extra_state``) as ``<w>`` in fp32, exactly its values."""
+    from lightning_ep.moe.experts.frozen import dequantize_stored
 
-    supported_model_types()  # registers the families
-    family = FAMILIES.get(str(getattr(config, "model_type", "")))
-    transposed = family is not None and family.expert_layout == "interleaved"
     out = dict(state)
-    for key in [k for k in state if k.endswith((".data", ".blocks"))]:
-        weight, _, kind = key.rpartition(".")
-        if kind == "data" and f"{weight}.scale_inv" in state:
-            data = torch.as_tensor(state[key]).view(torch.float8_e4m3fn)
-            out[weight] = dequantize_fp8_block(data, out.pop(f"{weight}.scale_inv"), FP8_BLOCK, (0, 0), torch.float32)
-        elif kind == "blocks" and f"{weight}.scales" in state:
-            values = dequantize_mxfp4(state[key], out.pop(f"{weight}.scales"), torch.float32)
-            out[weight] = values.transpose(-1, -2).contiguous() if transposed else values
-        else:
+    for key, extra in state.items():
+        if not key.endswith("._extra_state") or not isinstance(extra, dict) or "format" not in extra:
             continue
+        weight = key.removesuffix("._extra_state")
+        names = ("data", "scale_inv") if extra["format"] == "fp8" else ("blocks", "scales")
+        stored = {name: torch.as_tensor(out.pop(f"{weight}.{name}")) for name in names}
+        block = (int(extra["block"][0]), int(extra["block"][1]))
+        out[weight] = dequantize_stored(extra["format"], bool(extra["transposed"]), block, stored, torch.float32)
         del out[key]
     return out
 

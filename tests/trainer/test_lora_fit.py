@@ -136,7 +136,8 @@ def test_lora_on_a_fine_grained_family_through_the_trainer(tmp_path: Path, preci
 
 def test_lora_example_with_fp8_frozen_experts(tmp_path: Path) -> None:
     """The LoRA example with ``frozen_experts="fp8"`` on 2 processes at degree 2: the setup table says so,
-    the adapter round-trips through PEFT against the merged export, the checkpoint resumes at degree 1,
+    the adapter round-trips through PEFT against the merged export, the sharded checkpoint exports the
+    same merged model, the checkpoint resumes at degree 1,
     and a resume that does not keep the experts in FP8 is refused by name."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -149,6 +150,19 @@ def test_lora_example_with_fp8_frozen_experts(tmp_path: Path) -> None:
     merged = _logits(AutoModelForCausalLM.from_pretrained(run / "hf"))
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run / "base"), str(run / "adapter"))
     torch.testing.assert_close(_logits(peft_model), merged, rtol=1e-5, atol=1e-5)
+    # From the sharded checkpoint, on one process: the same merged model (the FP8 experts dequantized).
+    _run(
+        tmp_path,
+        "-m",
+        "lightning_ep.export",
+        str(run / "last.ckpt"),
+        str(tmp_path / "from_ckpt"),
+        "--config",
+        str(run / "hf"),
+    )
+    torch.testing.assert_close(
+        _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "from_ckpt")), merged, rtol=0, atol=0
+    )
 
     resume = ["--ckpt_path", str(run / "last.ckpt"), "--trainer.max_steps", "4", "--trainer.callbacks", "null"]
     _run(tmp_path, *fit, *resume, *fp8, "--trainer.strategy.init_args.degree", "1")

@@ -251,6 +251,17 @@ def test_fp8_folder_is_copied_byte_for_byte(tmp_path: Path, block: tuple[int, in
             scale = torch.cat([stored[f"{prefix}{p}.weight_scale_inv"] for p in parts])
             assert torch.equal(frozen.stored()["data"][e], data), (name, e)
             assert torch.equal(frozen.stored()["scale_inv"][e], scale), (name, e)
+    # The export dequantizes with the weight's own block (its extra state in the state dict).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = read_folder(export_hf(model, tmp_path / "export", hf_config_or_folder=folder))
+    for name, frozen in weights.items():
+        prefix, _, weight = name.rpartition(".")
+        parts = ["gate_proj", "up_proj"] if weight == "gate_up_proj" else ["down_proj"]
+        values = frozen.dequantize(torch.float32)
+        for e in range(frozen.shape[0]):
+            expected = torch.cat([exported[f"{prefix}.{e}.{p}.weight"].float() for p in parts])
+            assert torch.equal(values[e].to(torch.bfloat16).float(), expected), (name, e)
 
 
 def test_mxfp4_folder_is_copied_byte_for_byte_and_exports_dequantized(tmp_path: Path) -> None:

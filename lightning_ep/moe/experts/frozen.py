@@ -105,6 +105,17 @@ class FrozenExpertWeight(nn.Module):
             for e in range(local.shape[0]):
                 self.store_(local[e : e + 1], e)
 
+    def get_extra_state(self) -> dict[str, object]:
+        """What the state dict needs besides the buffers to read them back (``dequantize_stored``)."""
+        return {"format": self.format, "transposed": self.transposed, "block": list(self.block)}
+
+    def set_extra_state(self, state: dict[str, object]) -> None:
+        if state != self.get_extra_state():
+            raise ValueError(
+                f"a frozen expert weight saved as {state} cannot load into one kept as {self.get_extra_state()}; "
+                "resume with the frozen_experts format (and folder) the checkpoint was saved with."
+            )
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size(self.global_shape)
@@ -152,7 +163,7 @@ class FrozenExpertWeight(nn.Module):
             step = max(1, DEQUANTIZE_ELEMENTS // max(1, out[0].numel()))
             for start in range(0, first.shape[0], step):
                 chunk = {name: t[start : start + step] for name, t in stored.items()}
-                out[start : start + step] = _values(self.format, self.transposed, self.block, chunk, dtype)
+                out[start : start + step] = dequantize_stored(self.format, self.transposed, self.block, chunk, dtype)
         return out
 
     def extra_repr(self) -> str:
@@ -200,10 +211,11 @@ def keep_frozen_experts(model: nn.Module, format: Format, *, block: tuple[int, i
     return replaced
 
 
-def _values(
+def dequantize_stored(
     format: str, transposed: bool, block: tuple[int, int], stored: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> torch.Tensor:
-    """Whole experts' stored buffers as ``[n, R, C]`` values in ``dtype``, computed in fp32."""
+    """Whole experts' stored buffers (``FrozenExpertWeight``'s, by name) as ``[n, R, C]`` values in
+    ``dtype``, computed in fp32; ``format``, ``transposed`` and ``block`` as the weight's extra state."""
     if format == "fp8":
         return _dequantize_fp8(stored["data"], stored["scale_inv"], block).to(dtype)
     values = dequantize_mxfp4(stored["blocks"], stored["scales"], torch.float32)  # [n, out, in]
@@ -212,14 +224,14 @@ def _values(
 
 @functools.cache
 def _fused() -> Callable[..., torch.Tensor] | None:
-    """``_values`` compiled by Inductor, one Triton kernel per weight shape, or ``None`` without
+    """``dequantize_stored`` compiled by Inductor, one Triton kernel per weight shape, or ``None`` without
     Triton. The eager path moves about 19 bytes an FP8 element (the fp32 copy written, scaled in place
     and cast); this one 3 (the byte read, bf16 written): the same fp32 products."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return None
-    return torch.compile(_values, dynamic=False)
+    return torch.compile(dequantize_stored, dynamic=False)
 
 
 def _dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -295,6 +307,7 @@ __all__ = [
     "FORMATS",
     "Format",
     "FrozenExpertWeight",
+    "dequantize_stored",
     "keep_frozen_experts",
     "recomputed_in_backward",
 ]
