@@ -15,6 +15,8 @@ mirrored order, ``--rows a b c c b a``, to see the run-to-run spread):
 - ``bf16-true+adamw``: bf16 parameters, ``lightning_ep.optim.AdamW`` (torch's fused AdamW bit for
   bit, one kernel per large tensor): learns as ``bf16-true`` does, at its own speed.
 - ``32-true``: fp32 throughout, ``torch.optim.AdamW(fused=True)``: the arithmetic the others round.
+- ``bf16-mixed+fp8gemm``: ``bf16-mixed`` with the experts' GEMMs in FP8
+  (``ExpertParallelStrategy(expert_gemms="fp8")``; a GPU of compute capability 9.0+ and torchao).
 
 Every row starts from one random initialisation (a bf16 checkpoint written once with ``--seed``,
 read by ``lightning_ep.models.pretrained.from_pretrained``: the same values in bf16 and fp32
@@ -87,6 +89,7 @@ class Recipe:
     precision: str
     optimizer: str  # "torch": AdamW(fused=True); "torchao-sr": torchao _AdamW, stochastic rounding; "lightning_ep"
     label: str
+    expert_gemms: str | None = None  # ExpertParallelStrategy(expert_gemms=...)
 
 
 ROWS = {
@@ -95,6 +98,9 @@ ROWS = {
     "bf16-mixed": Recipe("bf16-mixed", "torch", "bf16-mixed (fp32 master weights), torch AdamW(fused=True)"),
     "bf16-true+adamw": Recipe("bf16-true", "lightning_ep", "bf16-true, lightning_ep.optim.AdamW"),
     "32-true": Recipe("32-true", "torch", "32-true (fp32 throughout), torch AdamW(fused=True)"),
+    "bf16-mixed+fp8gemm": Recipe(
+        "bf16-mixed", "torch", "bf16-mixed, the experts' GEMMs in FP8 (expert_gemms='fp8')", expert_gemms="fp8"
+    ),
 }
 REFERENCE = "bf16-mixed"
 PARAM_DTYPES = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.float32, "32-true": torch.float32}
@@ -288,7 +294,7 @@ def run_row(name: str, args: Any, data: torch.utils.data.Dataset, folder: str, d
     trainer = Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=world(),
-        strategy=ExpertParallelStrategy(degree=args.degree, moe=moe),
+        strategy=ExpertParallelStrategy(degree=args.degree, moe=moe, expert_gemms=recipe.expert_gemms),  # type: ignore[arg-type]
         precision=recipe.precision,  # type: ignore[arg-type]
         max_steps=args.steps,
         callbacks=[recorder],

@@ -41,7 +41,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   ``experts.down_proj`` through ``target_parameters``; on ``eager`` / ``grouped_mm`` rows that is HF
   + PEFT under FSDP2, on ``ep:`` rows this library's expert-stacked adapters); ``+fp8`` / ``+mxfp4``
   (``ep:`` rows with ``+lora``) keep the frozen expert weights in that format
-  (``ExpertParallelStrategy(frozen_experts=...)``); ``@reference`` (or
+  (``ExpertParallelStrategy(frozen_experts=...)``); ``+fp8gemm`` (``ep:`` rows without ``+lora``) runs
+  the trainable experts' GEMMs in FP8 (``ExpertParallelStrategy(expert_gemms="fp8")``); ``@reference`` (or
   another of ``_variants.VARIANTS``) runs it on the replaced hot-path code.
 
 Each rank processes ``batch * seq`` tokens per step (``hf_ep``: the shared batch counts once, over
@@ -425,6 +426,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
             execution=execution_of(base, options, args, shape),
             activation_checkpointing=checkpointing,  # type: ignore[arg-type]
             frozen_experts=next((o for o in options if o in ("fp8", "mxfp4")), None),  # type: ignore[arg-type]
+            expert_gemms="fp8" if "fp8gemm" in options else None,
         )
     elif base == "hf_ep":
         strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world())
@@ -523,7 +525,7 @@ ROW_LABELS = {
 ROW_OPTIONS = frozenset(
     {"eager", "compile", "compile_dense", "graph", "nograph", "dedup", "budget", "autobudget", "adamw", "prefetch"}
     | {"ac", "ac_keep", "zero2", "zero3", "monitor", "manualgc", "lora", "none", "aux_loss", "sinkhorn", "balanced"}
-    | {"fp8", "mxfp4"}
+    | {"fp8", "mxfp4", "fp8gemm"}
 )
 
 
@@ -544,6 +546,8 @@ def row_problem(row: str) -> str | None:
     frozen = [o for o in options if o in ("fp8", "mxfp4")]
     if frozen and (not base.startswith("ep:") or "lora" not in options or len(frozen) > 1):
         return f"row {row!r}: +{frozen[0]} keeps frozen experts quantized: pass one format, on an ep: row with +lora"
+    if "fp8gemm" in options and (not base.startswith("ep:") or "lora" in options):
+        return f"row {row!r}: +fp8gemm runs trainable experts' GEMMs in FP8: an ep: row without +lora"
     modes = [o for o in options if o in ("none", "aux_loss", "sinkhorn", "balanced")]
     if len(modes) > 1:
         return f"row {row!r}: balancing modes {modes} contradict each other; pass one"

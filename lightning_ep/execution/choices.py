@@ -61,6 +61,11 @@ FROZEN_FORMATS = {
     "mxfp4": "MXFP4: E2M1 values, an E8M0 scale per 32; dequantized per layer, forward and backward",
 }
 
+#: The setup table's words for the strategy's ``expert_gemms``.
+EXPERT_GEMMS = {
+    "fp8": "e4m3 with dynamic row-wise scales (torchao), fp32 accumulation, bf16 outputs; all six GEMMs per layer",
+}
+
 
 @dataclass(frozen=True, kw_only=True)
 class Execution:
@@ -117,6 +122,7 @@ class Environment:
     reshard_after_forward: bool | None = None  # the strategy's argument; None: not given
     expert_elements: int = 0  # one routed expert's gate/up weight (2I x H), the largest; 0: unknown
     frozen_experts: str | None = None  # the strategy's frozen_experts: the format frozen expert weights are kept in
+    expert_gemms: str | None = None  # the strategy's expert_gemms: "fp8", or None for the compute dtype's GEMMs
     optimizers: tuple[str, ...] | None = None  # by class (execution.environment.optimizer_names); None: not set up
 
     @property
@@ -290,6 +296,8 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
     single_rank = _single_rank_fsdp(execution.single_rank_fsdp, env, rows)
     if env.frozen_experts is not None:
         rows.append(Choice("frozen_experts", env.frozen_experts, FROZEN_FORMATS[env.frozen_experts]))
+    if env.expert_gemms is not None:
+        rows.append(Choice("expert_gemms", env.expert_gemms, EXPERT_GEMMS[env.expert_gemms]))
 
     fused_adamw, row = _fused_adamw(execution.fused_adamw, env)
     rows += row

@@ -36,6 +36,7 @@ def environment(strategy: ExpertParallelStrategy, hf_model: nn.Module | None = N
         reshard_after_forward=strategy.reshard_after_forward,
         expert_elements=MoEShape.of(hf_model).expert_elements if hf_model is not None else 0,
         frozen_experts=strategy.frozen_experts,
+        expert_gemms=strategy.expert_gemms,
     )
 
 

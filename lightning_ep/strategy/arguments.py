@@ -6,8 +6,11 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from lightning_ep.execution.choices import Execution
 from lightning_ep.moe.config import MoEConfig
+from lightning_ep.moe.experts.fp8 import fp8_gemms_blocker
 from lightning_ep.moe.experts.frozen import FORMATS
 from lightning_ep.parallel.mesh import check_layout
 
@@ -25,6 +28,7 @@ def check_arguments(
     timeout: Any,
     moe_model: Any = None,
     frozen_experts: Any = None,
+    expert_gemms: Any = None,
 ) -> None:
     """The checks of ``ExpertParallelStrategy.__init__``'s arguments that need nothing else."""
     if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
@@ -69,6 +73,21 @@ def check_arguments(
             f"ExpertParallelStrategy(frozen_experts={frozen_experts!r}) keeps the experts of lightning_ep's MoE layers "
             "quantized, but MoEConfig(smp_moe=False) keeps the model's own MoE blocks; use smp_moe=True or "
             "frozen_experts=None."
+        )
+    if expert_gemms not in (None, "fp8"):
+        raise ValueError(
+            f"ExpertParallelStrategy(expert_gemms={expert_gemms!r}): pass 'fp8' to run the trainable experts' GEMMs "
+            "in FP8, or None for the compute dtype's."
+        )
+    if expert_gemms is not None and frozen_experts is not None:
+        raise ValueError(
+            f"ExpertParallelStrategy(expert_gemms={expert_gemms!r}, frozen_experts={frozen_experts!r}): FP8 GEMMs are "
+            "for trainable experts, frozen ones are dequantized for the compute dtype's GEMMs; pass one of them."
+        )
+    if expert_gemms is not None and moe is not None and not moe.smp_moe:
+        raise ValueError(
+            f"ExpertParallelStrategy(expert_gemms={expert_gemms!r}) runs the experts of lightning_ep's MoE layers, "
+            "but MoEConfig(smp_moe=False) keeps the model's own MoE blocks; use smp_moe=True or expert_gemms=None."
         )
     if moe_model is not None and not isinstance(moe_model, str):
         raise TypeError(
@@ -119,4 +138,17 @@ def check_can_checkpoint(hf_model: Any, mode: Any) -> None:
         raise TypeError(
             f"ExpertParallelStrategy(activation_checkpointing={mode!r}): {type(hf_model).__name__} has no "
             "gradient_checkpointing_enable(); pass a Hugging Face model or activation_checkpointing=False."
+        )
+
+
+def check_expert_gemms(expert_gemms: str, device: torch.device, precision: str) -> None:
+    """At setup, where the device and precision are known: whether ``expert_gemms`` can run."""
+    blocker = fp8_gemms_blocker(device)
+    if blocker is not None:
+        raise ValueError(f"ExpertParallelStrategy(expert_gemms={expert_gemms!r}) needs {blocker}; drop expert_gemms.")
+    if precision not in ("bf16-mixed", "bf16-true"):
+        raise ValueError(
+            f"ExpertParallelStrategy(expert_gemms={expert_gemms!r}) casts bf16 rows to FP8 and writes bf16, but the "
+            f"Trainer's precision is {precision!r}: use precision='bf16-mixed' (fp32 master weights) or 'bf16-true', "
+            "or drop expert_gemms."
         )

@@ -33,6 +33,7 @@ from lightning_ep.models.init import materialize_if_meta
 from lightning_ep.models.pretrained import published_fp8_block
 from lightning_ep.models.registry import MoEShape
 from lightning_ep.moe.config import MoEConfig
+from lightning_ep.moe.experts.fp8 import use_fp8_gemms
 from lightning_ep.moe.experts.frozen import keep_frozen_experts
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.balance import update_biases_after_each_step
@@ -46,7 +47,13 @@ from lightning_ep.parallel.fsdp import (
     shard_named_blocks,
 )
 from lightning_ep.parallel.mesh import check_layout, init_mesh
-from lightning_ep.strategy.arguments import check_arguments, check_can_checkpoint, check_devices, check_precision
+from lightning_ep.strategy.arguments import (
+    check_arguments,
+    check_can_checkpoint,
+    check_devices,
+    check_expert_gemms,
+    check_precision,
+)
 from lightning_ep.strategy.errors import shown_once
 from lightning_ep.strategy.model_selection import select
 from lightning_ep.strategy.step_checks import StepChecks, mesh_aware
@@ -103,6 +110,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             or optimizer state, copied as published from an FP8 / MXFP4 folder, else quantized expert
             by expert on the rank that holds it; each layer dequantizes them into the compute dtype
             in its forward and again in its backward. ``None``: the parameters' dtype.
+        expert_gemms: ``"fp8"`` runs the trainable experts' six GEMMs per layer in FP8 with dynamic
+            row-wise scales (``lightning_ep.moe.experts.fp8``; a GPU of compute capability 9.0 or later,
+            torchao, ``bf16-mixed`` or ``bf16-true``); the master weights keep their dtype. ``None``: the
+            compute dtype's GEMMs.
 
     A configuration error is raised in full on rank 0 and as a one-line note on the other ranks
     (``lightning_ep.strategy.errors``), inside ``Trainer(...)`` already where it can.
@@ -128,6 +139,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         moe_model: str | None = None,
         plan_batch: tuple[int, int] = (1, 4096),
         frozen_experts: Literal["fp8", "mxfp4"] | None = None,
+        expert_gemms: Literal["fp8"] | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
@@ -149,6 +161,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 tensor_parallel_size=tensor_parallel_size,
                 moe_model=moe_model,
                 frozen_experts=frozen_experts,
+                expert_gemms=expert_gemms,
             )
             allowed = checkpoints.check_allowed(allow_moe_config_change)
         if moe is not None and not moe.smp_moe:
@@ -167,6 +180,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.moe_model = moe_model
         self.plan_batch = plan_batch
         self.frozen_experts = frozen_experts
+        self.expert_gemms = expert_gemms
         self._hf_model: nn.Module | None = None
         self._bias_hooks: list[RemovableHandle] = []
         self._step_checks = StepChecks(check_finite=check_finite, log_losses=log_moe_losses)
@@ -304,6 +318,9 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         if any(isinstance(p, DTensor) for p in hf_model.parameters()):
             return
         mesh = self.device_mesh
+        if self.expert_gemms is not None:
+            with shown_once(self.global_rank):
+                check_expert_gemms(self.expert_gemms, self.root_device, self.precision_plugin.precision)
         if self.activation_checkpointing:
             check_can_checkpoint(hf_model, self.activation_checkpointing)
             enable_checkpointing = hf_model.gradient_checkpointing_enable
@@ -315,6 +332,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 transform(hf_model, self.moe, mesh=mesh, execution=execution)
                 if self.frozen_experts is not None:
                     keep_frozen_experts(hf_model, self.frozen_experts, block=published_fp8_block(hf_model))
+                if self.expert_gemms == "fp8":
+                    use_fp8_gemms(hf_model)
             shard_model(hf_model, mesh, **fsdp_options(self), in_place_on_one_rank=single_rank)
             blocks = decoder_blocks(hf_model)
         else:

@@ -15,6 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from lightning_ep.moe.experts.fp8 import fp8_grouped_mlp
 from lightning_ep.moe.experts.frozen import FrozenExpertWeight, recomputed_in_backward
 from lightning_ep.moe.experts.grad_scale import with_grad_scale
 from lightning_ep.moe.experts.mlp import GROUPED_MM, grouped_mlp, grouped_mlp_forward
@@ -79,6 +80,10 @@ class RoutedExperts(nn.Module):
     #: Whether ``run`` hands the grouped and per-expert functions the local weights uncast, to cast
     #: to ``compute_dtype`` themselves (``GroupedExperts``); otherwise they get the cast weights.
     casts_in_gemms = False
+
+    #: Whether the grouped path runs its GEMMs in FP8 (``experts.fp8``; ``use_fp8_gemms`` sets it on
+    #: ``GroupedExperts``, the only experts that have such a path).
+    fp8_gemms = False
 
     def __init__(self, use_grouped_mm: bool | None) -> None:
         super().__init__()
@@ -157,6 +162,11 @@ class RoutedExperts(nn.Module):
                 f"with weights {tuple(weights[i].shape)}; use_grouped_mm=None falls back to a loop."
             )
         grouped_ok = supported and self.use_grouped_mm is not False
+        if self.fp8_gemms and not (grouped_ok and self.grouped_mm_runs(x_NH, weights)):
+            raise RuntimeError(
+                f"expert_gemms='fp8' runs {type(self).__name__}'s grouped GEMMs, which cannot run for weights "
+                f"{[tuple(w.shape) for w in weights]} and {x_NH.dtype} rows on {x_NH.device.type}; drop expert_gemms."
+            )
         if grouped_ok and not self.grouped_mm_runs(x_NH, weights):
             if self.use_grouped_mm:
                 raise RuntimeError(
@@ -225,7 +235,7 @@ class RoutedExperts(nn.Module):
     def _large_for(self, x_NH: torch.Tensor, w_first: torch.Tensor) -> bool:
         """Whether an average expert's first GEMM on these rows reaches ``per_expert_min_gflop``."""
         minimum = self.per_expert_min_gflop
-        if self.use_grouped_mm is not None or minimum is None or not x_NH.is_cuda:
+        if self.fp8_gemms or self.use_grouped_mm is not None or minimum is None or not x_NH.is_cuda:
             return False
         mean_rows = x_NH.shape[0] / max(w_first.shape[0], 1)
         return 2 * mean_rows * w_first[0].numel() / 1e9 >= minimum
@@ -302,8 +312,11 @@ class GroupedExperts(RoutedExperts):
         act_fn, dtype = self.act_fn, self.compute_dtype
 
         def grouped(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], scale: float) -> torch.Tensor:
-            later = self.counts_for_backward(x, counts, weights[0])
             offsets_L = torch.cumsum(counts.to(device=x.device), dim=0).to(torch.int32)
+            if self.fp8_gemms:  # bf16 weights into the FP8 casts (experts.fp8)
+                fp8_mlp = partial(fp8_grouped_mlp, offsets_L=offsets_L, act_fn=act_fn)
+                return with_grad_scale(fp8_mlp, x, compute_weights(weights, dtype or torch.bfloat16), scale)
+            later = self.counts_for_backward(x, counts, weights[0])
             if fold_grad_scale(x, dtype or weights[0].dtype):
                 return grouped_mlp(x, offsets_L, weights[0], weights[1], act_fn, scale, dtype, later)
 
@@ -316,4 +329,9 @@ class GroupedExperts(RoutedExperts):
             h_NF = segment_linear(x, weights[0], counts, scale, dtype)
             return segment_linear(swiglu(h_NF, act_fn), weights[1], counts, scale, dtype)
 
+        if self.fp8_gemms and x_NH.dtype != torch.bfloat16:
+            raise RuntimeError(
+                f"expert_gemms='fp8' runs the expert GEMMs on bf16 rows, got {x_NH.dtype}: train in bf16-mixed or "
+                "bf16-true, or drop expert_gemms."
+            )
         return self.run(x_NH, counts_L, [self.gate_up_proj, self.down_proj], (0, 1), grouped, loop, counts_host)
