@@ -4,8 +4,8 @@
   rounding, forward and all three gradients, on ragged experts (one empty, none a multiple of 16)
   with a static plan's padding rows after the last offset (a row count not a multiple of 16).
 - Through the Trainer (``bf16-mixed``, fp32 master weights): the setup table names the choice, CUDA
-  graphs (auto at degree 1) replay the FP8 path with the eager path's bits, and 200 steps follow the
-  bf16 GEMMs' run: the last 20 steps' mean loss within 1%.
+  graphs (auto at degree 1) replay the FP8 path with the eager path's bits, and 200 steps learn as
+  well as the bf16 GEMMs' run (the last 20 steps' mean loss at most 1% above).
 """
 
 from __future__ import annotations
@@ -129,9 +129,13 @@ def test_graphs_replay_the_fp8_path_with_its_bits(single_process: None) -> None:
     assert bf16_losses != eager_losses, "the FP8 GEMMs ran"
 
 
-def test_200_steps_follow_the_bf16_gemms_within_one_percent(single_process: None) -> None:
+def test_200_steps_learn_as_well_as_the_bf16_gemms(single_process: None) -> None:
+    """FP8 GEMMs do not learn worse: the last 20 steps' mean loss at most 1% above bf16's. One-sided: a
+    tiny model memorising its data amplifies any difference into another trajectory, so the two curves
+    part both ways by more than FP8's rounding explains (on one H100 the FP8 run ended 1.1% below
+    bf16's with 16 sequences, 1.9% below with 96); the real shapes' 200 steps are in RESULTS.md."""
     fp8_losses, _, _ = _fit(200, fp8=True)
     bf16_losses, _, _ = _fit(200, fp8=False)
-    assert bf16_losses[-1] < 0.8 * bf16_losses[0], "the loss fell"
+    assert bf16_losses[-1] < 0.8 * bf16_losses[0] and fp8_losses[-1] < 0.8 * fp8_losses[0], "the loss fell"
     fp8_tail, bf16_tail = sum(fp8_losses[-20:]) / 20, sum(bf16_losses[-20:]) / 20
-    assert abs(fp8_tail / bf16_tail - 1) < 0.01, (fp8_tail, bf16_tail)
+    assert fp8_tail < 1.01 * bf16_tail, (fp8_tail, bf16_tail)
