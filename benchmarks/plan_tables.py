@@ -1,5 +1,6 @@
 """The planner's tables of ``docs/scaling.md``: for each model and world size, every degree with
-the smallest replicate degree that fits (replicate 1 where none does).
+the smallest replicate degree that fits (replicate 1 where none does); then LoRA with the frozen
+experts in bf16, FP8 and MXFP4: the fewest H100s or H200s of one node that hold each model.
 
     python benchmarks/plan_tables.py > tables.md
 """
@@ -15,6 +16,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "lightning_ep" / "plan" / "confi
 MODELS = ("mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "deepseek-v3")
 WORLDS = (8, 64, 512)
 WORKLOAD = Workload(micro_batch=2, seq=4096, precision="bf16-mixed", activation_checkpointing=True)
+#: LoRA of rank 16 (attention and both expert weights), one sequence of 4,096 per GPU, bf16-true.
+LORA = {"micro_batch": 1, "seq": 4096, "precision": "bf16-true", "activation_checkpointing": True, "lora_rank": 16}
 
 
 def main() -> None:
@@ -47,6 +50,35 @@ def main() -> None:
                     )
                     + ".\n"
                 )
+    lora_table()
+
+
+def lora_table() -> None:
+    """For each model, frozen-expert format and card: the fewest GPUs of one node (1, 2, 4 or 8) on
+    which some layout fits, with that layout's peak memory and tokens/s per GPU."""
+    print("### LoRA on one node\n")
+    print("| model | frozen experts | H100s (peak GiB, tok/s/GPU) | H200s (peak GiB, tok/s/GPU) |")
+    print("|---|---|---|---|")
+    for name in MODELS:
+        shape = model_shape(CONFIGS / f"{name}.json")
+        for fmt in (None, "fp8", "mxfp4"):
+            workload = Workload(**LORA, frozen_experts=fmt)  # type: ignore[arg-type]
+            cells = []
+            for hardware in (Hardware.h100(), Hardware.h200()):
+                cell = "more than 8"
+                for world in (1, 2, 4, 8):
+                    plans = plan_layouts(
+                        shape, world, workload, hardware, gpus_per_node=world, memory_bytes=hardware.memory_bytes
+                    )
+                    fitting = [p for p in plans if p.fits]
+                    if fitting:
+                        best = min(fitting, key=lambda p: p.time.step_s)
+                        peak = best.memory.total / 2**30
+                        cell = f"{world} at degree {best.layout.degree} ({peak:.1f}, {best.tokens_per_s:,.0f})"
+                        break
+                cells.append(cell)
+            print(f"| {name} | {fmt or 'bf16'} | {cells[0]} | {cells[1]} |")
+    print()
 
 
 if __name__ == "__main__":
