@@ -68,12 +68,6 @@ def check_arguments(
             f"ExpertParallelStrategy(frozen_experts={frozen_experts!r}): pass one of {list(FORMATS)} to keep frozen "
             "expert weights (a LoRA fine-tune's) in that format, or None to keep them in the parameters' dtype."
         )
-    if frozen_experts is not None and moe is not None and not moe.smp_moe:
-        raise ValueError(
-            f"ExpertParallelStrategy(frozen_experts={frozen_experts!r}) keeps the experts of lightning_ep's MoE layers "
-            "quantized, but MoEConfig(smp_moe=False) keeps the model's own MoE blocks; use smp_moe=True or "
-            "frozen_experts=None."
-        )
     if expert_gemms not in (None, "fp8"):
         raise ValueError(
             f"ExpertParallelStrategy(expert_gemms={expert_gemms!r}): pass 'fp8' to run the trainable experts' GEMMs "
@@ -84,11 +78,12 @@ def check_arguments(
             f"ExpertParallelStrategy(expert_gemms={expert_gemms!r}, frozen_experts={frozen_experts!r}): FP8 GEMMs are "
             "for trainable experts, frozen ones are dequantized for the compute dtype's GEMMs; pass one of them."
         )
-    if expert_gemms is not None and moe is not None and not moe.smp_moe:
-        raise ValueError(
-            f"ExpertParallelStrategy(expert_gemms={expert_gemms!r}) runs the experts of lightning_ep's MoE layers, "
-            "but MoEConfig(smp_moe=False) keeps the model's own MoE blocks; use smp_moe=True or expert_gemms=None."
-        )
+    for name, value in (("frozen_experts", frozen_experts), ("expert_gemms", expert_gemms)):
+        if value is not None and moe is not None and not moe.smp_moe:
+            raise ValueError(
+                f"ExpertParallelStrategy({name}={value!r}) acts on the experts of lightning_ep's MoE layers, but "
+                f"MoEConfig(smp_moe=False) keeps the model's own MoE blocks; use smp_moe=True or {name}=None."
+            )
     if moe_model is not None and not isinstance(moe_model, str):
         raise TypeError(
             f"ExpertParallelStrategy(moe_model={moe_model!r}): pass the attribute path of the Hugging Face model "
