@@ -21,8 +21,8 @@ bytes per element, and their bf16 gradients are widened by the cast's kernel.
 What it changes in the math: each GEMM's operands carry e4m3's rounding (3 mantissa bits, a relative
 error of at most 2^-4 per element) instead of bf16's 2^-9; the accumulation is fp32 in both. Its
 effect on training is what ``benchmarks/bench_precision.py``'s ``bf16-mixed+fp8gemm`` row measures.
-What it costs: six casts to FP8 per layer and direction (activations, weights, gradients) beside the
-six GEMMs, and the row moves above.
+What it costs beside the GEMMs: every operand cast to FP8 with its scales (four tensors in the
+forward, eight in the backward, the weights among them), and the row moves above.
 """
 
 from __future__ import annotations
