@@ -134,7 +134,9 @@ def test_rows_in_another_dtype_are_refused() -> None:
     model = lightning_ep.transform(MixtralForCausalLM(tiny_mixtral_config()), MoEConfig())
     fp8.use_fp8_gemms(model)
     with pytest.raises(
-        RuntimeError, match=r"expert_gemms='fp8' runs the expert GEMMs on bf16 rows, got torch\.float32"
+        RuntimeError,
+        match=r"expert_gemms='fp8' runs GroupedExperts's grouped GEMMs on bf16 rows, which cannot run for "
+        r"torch\.float32 rows",
     ):
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
 

@@ -162,10 +162,11 @@ class RoutedExperts(nn.Module):
                 f"with weights {tuple(weights[i].shape)}; use_grouped_mm=None falls back to a loop."
             )
         grouped_ok = supported and self.use_grouped_mm is not False
-        if self.fp8_gemms and not (grouped_ok and self.grouped_mm_runs(x_NH, weights)):
+        if self.fp8_gemms and not (grouped_ok and x_NH.dtype == torch.bfloat16 and self.grouped_mm_runs(x_NH, weights)):
             raise RuntimeError(
-                f"expert_gemms='fp8' runs {type(self).__name__}'s grouped GEMMs, which cannot run for weights "
-                f"{[tuple(w.shape) for w in weights]} and {x_NH.dtype} rows on {x_NH.device.type}; drop expert_gemms."
+                f"expert_gemms='fp8' runs {type(self).__name__}'s grouped GEMMs on bf16 rows, which cannot run for "
+                f"{x_NH.dtype} rows and weights {[tuple(w.shape) for w in weights]} on {x_NH.device.type}: train in "
+                "bf16-mixed or bf16-true, or drop expert_gemms."
             )
         if grouped_ok and not self.grouped_mm_runs(x_NH, weights):
             if self.use_grouped_mm:
@@ -329,9 +330,4 @@ class GroupedExperts(RoutedExperts):
             h_NF = segment_linear(x, weights[0], counts, scale, dtype)
             return segment_linear(swiglu(h_NF, act_fn), weights[1], counts, scale, dtype)
 
-        if self.fp8_gemms and x_NH.dtype != torch.bfloat16:
-            raise RuntimeError(
-                f"expert_gemms='fp8' runs the expert GEMMs on bf16 rows, got {x_NH.dtype}: train in bf16-mixed or "
-                "bf16-true, or drop expert_gemms."
-            )
         return self.run(x_NH, counts_L, [self.gate_up_proj, self.down_proj], (0, 1), grouped, loop, counts_host)
