@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
@@ -179,7 +180,24 @@ class MeshAwareHalfPrecision(_ClipsAcrossMeshes, HalfPrecision):
 
 
 class MeshAwareMixedPrecision(_ClipsAcrossMeshes, MixedPrecision):
-    """``bf16-mixed``, clipping across meshes."""
+    """``bf16-mixed``, clipping across meshes, with fused optimizers too.
+
+    Lightning's ``MixedPrecision`` refuses ``gradient_clip_val`` for an optimizer that unscales
+    gradients itself (``torch.optim.AdamW(fused=True)``, ``lightning_ep.optim.AdamW``), since under
+    fp16 its gradients would still carry the loss scale when clipped. bf16 has no loss scale
+    (``scaler`` is ``None``): the gradients are the true ones, so they are clipped as in ``32-true``.
+    """
+
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if self.scaler is None:
+            Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+        else:
+            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
 
 def mesh_aware(plugin: Precision) -> Precision:

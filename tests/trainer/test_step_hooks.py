@@ -107,3 +107,44 @@ def test_step_hooks_fire_and_balanced_biases_move(single_process, optimizer: str
     ]
     if isinstance(built, AdamW):
         assert built.kernel_launches == 0
+
+
+class ClippedModule(Module):
+    """``Module`` recording the gradients' total norm before and after Lightning clips them."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer, "scheduler")
+        self.norms: list[tuple[float, float]] = []
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        before = _grad_norm(self)
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.norms.append((before, _grad_norm(self)))
+
+
+def _grad_norm(module: LightningModule) -> float:
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in module.parameters()]
+    return float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads if g is not None])))
+
+
+@pytest.mark.parametrize("optimizer", ["torch", "lightning_ep"])
+def test_bf16_mixed_clips_with_a_fused_optimizer(single_process, optimizer: str) -> None:
+    """Lightning's bf16 ``MixedPrecision`` refuses ``gradient_clip_val`` for fused optimizers (a guard
+    for fp16's loss scale, which bf16 does not have); under the strategy the gradients are clipped."""
+    clip = 1e-3
+    module = ClippedModule(optimizer)
+    strategy = ExpertParallelStrategy(1, moe=MoEConfig(moe_load_balancing="balanced"), process_group_backend="gloo")
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", gradient_clip_val=clip,
+        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    data = torch.randint(0, 128, (2 * STEPS, 16), generator=torch.Generator().manual_seed(0))
+    trainer.fit(module, DataLoader(data, batch_size=2))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+    assert len(module.norms) == STEPS
+    for before, after in module.norms:
+        assert before > 10 * clip, "the gradients must be larger than the bound for the test to show clipping"
+        assert after == pytest.approx(clip, rel=1e-3), (before, after)  # clip_grad_norm_'s 1e-6 epsilon
