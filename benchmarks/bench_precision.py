@@ -17,6 +17,10 @@ mirrored order, ``--rows a b c c b a``, to see the run-to-run spread):
 - ``32-true``: fp32 throughout, ``torch.optim.AdamW(fused=True)``: the arithmetic the others round.
 - ``bf16-mixed+fp8gemm``: ``bf16-mixed`` with the experts' GEMMs in FP8
   (``ExpertParallelStrategy(expert_gemms="fp8")``; a GPU of compute capability 9.0+ and torchao).
+- ``bf16-true+sr+frozen-norms``, ``32-true+frozen-norms``: those recipes with every normalisation
+  weight frozen at its initial value (``requires_grad=False``): what ``bf16-mixed``'s forward sees
+  of them when no update reaches half a bf16 step of a weight of 1.0 (the control for why
+  ``bf16-mixed`` ends above fp32).
 
 Every row starts from one random initialisation (a bf16 checkpoint written once with ``--seed``,
 read by ``lightning_ep.models.pretrained.from_pretrained``: the same values in bf16 and fp32
@@ -90,6 +94,7 @@ class Recipe:
     optimizer: str  # "torch": AdamW(fused=True); "torchao-sr": torchao _AdamW, stochastic rounding; "lightning_ep"
     label: str
     expert_gemms: str | None = None  # ExpertParallelStrategy(expert_gemms=...)
+    frozen_norms: bool = False  # the normalisation weights keep their initial values
 
 
 ROWS = {
@@ -100,6 +105,12 @@ ROWS = {
     "32-true": Recipe("32-true", "torch", "32-true (fp32 throughout), torch AdamW(fused=True)"),
     "bf16-mixed+fp8gemm": Recipe(
         "bf16-mixed", "torch", "bf16-mixed, the experts' GEMMs in FP8 (expert_gemms='fp8')", expert_gemms="fp8"
+    ),
+    "bf16-true+sr+frozen-norms": Recipe(
+        "bf16-true", "torchao-sr", "bf16-true, torchao stochastic rounding, norm weights frozen", frozen_norms=True
+    ),
+    "32-true+frozen-norms": Recipe(
+        "32-true", "torch", "32-true, torch AdamW(fused=True), norm weights frozen", frozen_norms=True
     ),
 }
 REFERENCE = "bf16-mixed"
@@ -180,6 +191,20 @@ def make_optimizer(recipe: Recipe, params: Any, lr: float) -> torch.optim.Optimi
     return torch.optim.AdamW(params, lr=lr, fused=True)
 
 
+def freeze_norms(model: torch.nn.Module) -> int:
+    """Freeze the weights of every normalisation module (a class named ``...Norm``: Hugging Face's
+    RMSNorms, ``nn.LayerNorm``); returns how many elements were frozen (an error if none)."""
+    frozen = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("Norm"):
+            for param in module.parameters(recurse=False):
+                param.requires_grad_(False)
+                frozen += param.numel()
+    if not frozen:
+        raise RuntimeError(f"freeze_norms: {type(model).__name__} has no module named ...Norm")
+    return frozen
+
+
 def make_module(recipe: Recipe, folder: str, lr: float, warmup: int, steps: int) -> Any:
     from lightning.pytorch import LightningModule
 
@@ -197,6 +222,8 @@ def make_module(recipe: Recipe, folder: str, lr: float, warmup: int, steps: int)
                 # The checkpoint's config says bfloat16, which from_config would follow under bf16-mixed too:
                 # the dtype is the precision's instead (fp32 master weights under bf16-mixed).
                 self.model = from_pretrained(folder, dtype=PARAM_DTYPES[recipe.precision])
+                if recipe.frozen_norms:
+                    freeze_norms(self.model)
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             return self.model(input_ids=batch, labels=batch, use_cache=False).loss
