@@ -403,12 +403,13 @@ def check_args(parser: argparse.ArgumentParser, args: Any) -> None:
             f"--degree {args.degree} must divide the {world()} process(es) launched: "
             f"run under torchrun --nproc-per-node {max(args.degree, 1)}, or pass --degree 1"
         )
-    if any(ROWS[r].optimizer == "torchao-sr" for r in args.rows):
+    stochastic = [r for r in args.rows if ROWS[r].optimizer == "torchao-sr"]
+    if stochastic:
         problem = torchao_problem()
         if problem:
             parser.error(
-                f"--rows bf16-true+sr needs torchao (torchao.optim._AdamW), which does not import here "
-                f"({problem}): pip install torchao, or drop bf16-true+sr from --rows"
+                f"--rows {stochastic[0]} needs torchao (torchao.optim._AdamW), which does not import here "
+                f"({problem}): pip install torchao, or drop {' and '.join(stochastic)} from --rows"
             )
 
 

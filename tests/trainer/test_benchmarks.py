@@ -159,6 +159,22 @@ def test_bench_precision_trains_every_row_from_one_start(tmp_path: Path) -> None
     assert runs[1]["gap_to_bf16_mixed"] == 0.0
 
 
+def test_bench_precision_freezes_exactly_the_norm_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``+frozen-norms`` rows: every RMSNorm weight (input, post-attention, final) and nothing else."""
+    from conftest import tiny_mixtral
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_precision")
+    model = tiny_mixtral()
+    norms = {n for n, _ in model.named_parameters() if "layernorm" in n or n == "model.norm.weight"}
+    assert len(norms) == 2 * model.config.num_hidden_layers + 1
+    frozen = bench.freeze_norms(model)
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == norms
+    assert frozen == (2 * model.config.num_hidden_layers + 1) * model.config.hidden_size
+    with pytest.raises(RuntimeError, match="has no module named"):
+        bench.freeze_norms(torch.nn.Linear(2, 2))
+
+
 def test_bench_precision_schedule_fills_a_tensor_lr(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchao's optimizers hold ``lr`` as a Tensor and step with that object: the schedule must fill it."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
