@@ -175,6 +175,29 @@ def test_bench_precision_freezes_exactly_the_norm_weights(monkeypatch: pytest.Mo
         bench.freeze_norms(torch.nn.Linear(2, 2))
 
 
+def test_bench_precision_dither_keeps_the_bf16_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bf16-mixed+dither``: the bf16 view of every master weight keeps its bits, zeros stay, and a
+    common drift then moves the views by the drift on average (plain bf16 rounding loses most of it)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_precision")
+    weights = (torch.randn(200_000, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16).float()
+    weights[:100] = 0.0
+    weights[100:104] = torch.tensor([1.0, -2.0, 0.5, -0.25])  # powers of two: an interval narrower below
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(weights.clone())
+    moved = bench.dither_masters(module, seed=1)
+    dithered = module.w.detach()
+    assert moved == weights.numel() - 100
+    assert torch.equal(dithered.to(torch.bfloat16), weights.to(torch.bfloat16))
+    assert torch.equal(dithered[:100], weights[:100])
+    assert float((dithered[100:] != weights[100:]).float().mean()) > 0.999  # 1 in 2^16 lands on the centre
+    drift = 1e-5  # a sixth of half a bf16 step at 0.02
+    view_change = ((dithered + drift).to(torch.bfloat16).float() - weights)[100:].mean()
+    plain_change = ((weights + drift).to(torch.bfloat16).float() - weights)[100:].mean()
+    assert float(view_change) == pytest.approx(drift, rel=0.05)
+    assert float(plain_change) < 0.3 * drift
+
+
 def test_bench_precision_schedule_fills_a_tensor_lr(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchao's optimizers hold ``lr`` as a Tensor and step with that object: the schedule must fill it."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
