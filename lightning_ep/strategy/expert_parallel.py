@@ -374,10 +374,14 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
         checkpoints.refuse_partial(path)
-        # Before any weight is restored: a resume under another MoE configuration is refused by name.
-        record = checkpoints.read_record(path, weights_only)
-        if self._hf_model is not None:
-            checkpoints.check_record(record, self.moe, self._hf_model, allowed=self.allow_moe_config_change, path=path)
+        # Before any weight is restored: a resume under another MoE configuration is refused by name,
+        # once for the job (every rank reads the same record).
+        with shown_once(self.global_rank):
+            record = checkpoints.read_record(path, weights_only)
+            if self._hf_model is not None:
+                checkpoints.check_record(
+                    record, self.moe, self._hf_model, allowed=self.allow_moe_config_change, path=path
+                )
         try:
             with checkpoints.saved_bias_keys(record, self._layers()):
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)

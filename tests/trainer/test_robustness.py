@@ -93,6 +93,9 @@ def test_checkpoint_from_a_different_model_is_refused(tmp_path: Path) -> None:
         "(this run: 4). Resume with the MoEConfig and model it was saved with; to change them on purpose"
     ) in stderr["four"], stderr["four"][-3000:]
     assert "allow_moe_config_change=['num_experts']" in stderr["four"]
+    # In full once (rank 0); rank 1, if torchrun had not stopped it yet, adds a one-line note.
+    assert stderr["four"].count("was saved with another MoE configuration") == 1, stderr["four"][-3000:]
+    assert stderr["four"].count("[rank 1] ValueError: a configuration error, shown in full by rank 0.") <= 1
     allowed = stderr["four-allowed"]
     assert "was saved from a different model (Size mismatch between saved torch.Size([8, 64])" in allowed
     assert "Resume with the model configuration it was saved from" in allowed
