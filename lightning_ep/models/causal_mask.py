@@ -136,17 +136,25 @@ def _register() -> None:
         AttentionInterface.register(NAME, sdpa)
 
 
-def separate_packed_documents(model: nn.Module) -> bool:
-    """Put the pre-hook of the module docstring's "Packed rows" on the innermost Hugging Face base
-    model of ``model`` (``MixtralModel`` inside ``MixtralForCausalLM``, inside a PEFT model too).
-    Idempotent; reads no tensor. Returns whether the hook is in place (``False`` when the model's
-    forward takes no ``position_ids`` or no ``use_cache``)."""
-    base = model  # follow base_model down (a PEFT model's is its tuner) to the decoder, its own base_model
+def decoder_model(model: nn.Module) -> nn.Module:
+    """The innermost Hugging Face base model of ``model``, the module called with ``input_ids``,
+    ``attention_mask`` and ``position_ids`` (``MixtralModel`` inside ``MixtralForCausalLM``, inside a
+    PEFT model too): ``base_model`` followed down (a PEFT model's is its tuner) to the decoder, its own."""
+    base = model
     for _ in range(8):  # nesting is shallow: PEFT model -> tuner -> causal LM -> decoder
         inner = getattr(base, "base_model", base)
         if inner is base or not isinstance(inner, nn.Module):
             break
         base = inner
+    return base
+
+
+def separate_packed_documents(model: nn.Module) -> bool:
+    """Put the pre-hook of the module docstring's "Packed rows" on the innermost Hugging Face base
+    model of ``model`` (``MixtralModel`` inside ``MixtralForCausalLM``, inside a PEFT model too).
+    Idempotent; reads no tensor. Returns whether the hook is in place (``False`` when the model's
+    forward takes no ``position_ids`` or no ``use_cache``)."""
+    base = decoder_model(model)
     if getattr(base, _PACKING_PARAMETERS, None) is not None:
         return True
     names = tuple(inspect.signature(base.forward).parameters)

@@ -1,8 +1,9 @@
 """Tell the MoE layers of a Hugging Face model which tokens of each call are padding.
 
 Decoder layers call their MoE block with the hidden states alone; the padding is known only where
-the model is called. ``watch_padding`` puts a forward pre-hook on ``model.base_model`` that wraps each
-call's 2-D ``attention_mask`` (``[batch, sequence]``, 0 at padding) in a ``TokenBatch`` for every
+the model is called. ``watch_padding`` puts a forward pre-hook on the decoder
+(``causal_mask.decoder_model``: the innermost Hugging Face base model, inside a PEFT model too) that
+wraps each call's 2-D ``attention_mask`` (``[batch, sequence]``, 0 at padding) in a ``TokenBatch`` for every
 ``MoELayer``, and a forward hook that takes it back; the layers then leave padded positions out of
 routing, losses, counts, capacity and the exchange. A call without a 2-D mask (none, or a 4-D custom
 attention pattern) routes every token.
@@ -15,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_ep.models.causal_mask import decoder_model
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.moe.tokens import TokenBatch
 
@@ -26,7 +28,7 @@ _LAYERS = "_lightning_ep_moe_layers"
 def watch_padding(model: nn.Module) -> bool:
     """Hand each call's padding mask to the ``MoELayer``s of ``model`` (see the module docstring).
     Idempotent; returns whether the hooks are in place (``False``: the forward takes no ``attention_mask``)."""
-    base = getattr(model, "base_model", model)
+    base = decoder_model(model)  # a PEFT model's own base_model (its tuner) takes *args, **kwargs
     if hasattr(base, _POSITION):
         return True
     names = list(inspect.signature(base.forward).parameters)

@@ -91,6 +91,27 @@ def test_pad_content_changes_nothing(mode: str, dispatch: dict) -> None:
         assert all(int(p.sum()) <= real_pairs for p in runs[0]["pending"])
 
 
+@pytest.mark.parametrize("order", ["peft-then-transform", "transform-then-peft"])
+def test_peft_model_leaves_padding_out(order: str) -> None:
+    """A PEFT-wrapped model (LoRA on the attention and the experts), transformed before or after
+    wrapping: the pads' content changes nothing, and only real tokens are counted."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], target_parameters=["gate_up_proj", "down_proj"])
+    config = MoEConfig(moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.01)
+
+    def build() -> torch.nn.Module:
+        if order == "transform-then-peft":
+            return get_peft_model(lightning_ep.transform(tiny_mixtral(), config), lora)
+        return lightning_ep.transform(get_peft_model(tiny_mixtral(), lora), config)
+
+    runs = [_run(build(), padded_batch(seed)) for seed in (None, 1)]
+    _assert_bitwise(*runs)
+    assert any("lora" in name for name in runs[0]["grads"])
+    real_pairs = int(padded_batch(None)["attention_mask"].sum()) * 2
+    assert all(int(c.sum()) == real_pairs for c in runs[0]["counts"])
+
+
 def _layer_inputs(model: torch.nn.Module) -> tuple[list[torch.Tensor], list]:
     inputs: list[torch.Tensor] = []
     handles = [
