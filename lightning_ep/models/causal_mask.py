@@ -72,9 +72,9 @@ _MASKS_BUILT_WITHOUT_POSITIONS: dict[str, tuple[tuple[str, str], ...]] = {
 
 
 def skip_causal_mask(model: nn.Module) -> bool:
-    """Put the hooks of the module docstring on ``model.base_model`` (idempotent). Returns whether
+    """Put the hooks of the module docstring on ``decoder_model(model)`` (idempotent). Returns whether
     they are in place: ``False`` when the model has no config or its implementation is not SDPA."""
-    base = getattr(model, "base_model", model)
+    base = decoder_model(model)
     if getattr(base, _HOOKED, False):
         return True
     if getattr(getattr(base, "config", None), "_attn_implementation", None) != "sdpa":

@@ -39,9 +39,9 @@ def _attention(model: nn.Module) -> nn.Module:
 
 
 def _implementations_seen(model: nn.Module, call: Any) -> list[str]:
-    """The attention implementation of the config that ``model.base_model``'s forward ran on when it
-    reached the first attention module during ``call()``; that module's own config reads the model's."""
-    base, seen = model.base_model, []
+    """The attention implementation of the config that the decoder's forward (``decoder_model``) ran on
+    when it reached the first attention module during ``call()``; that module's own config reads the model's."""
+    base, seen = causal_mask.decoder_model(model), []
     own = base.config._attn_implementation
 
     def record(attention: nn.Module, _args: tuple) -> None:
@@ -93,6 +93,28 @@ def test_a_call_without_mask_positions_or_cache_skips_the_mask_with_the_same_num
     assert _implementations_seen(model, lambda: _loss_and_grads(model, **inputs)) == [causal_mask.NAME]
     assert model.base_model.config is config and config._attn_implementation == "sdpa"
     ours = _loss_and_grads(model, **inputs)
+    with monkeypatch.context() as patch:
+        _hf_path(patch)
+        assert _implementations_seen(reference, lambda: _loss_and_grads(reference, **inputs)) == ["sdpa"]
+        _assert_same(ours, _loss_and_grads(reference, **inputs))
+
+
+@pytest.mark.parametrize("order", ["peft-then-transform", "transform-then-peft"])
+def test_a_peft_model_skips_the_mask_with_the_same_numbers(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hooks sit on the decoder inside PEFT's wrapper, whichever of the two came first."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    if order == "transform-then-peft":
+        model = get_peft_model(lightning_ep.transform(tiny_mixtral()), lora)
+    else:
+        model = lightning_ep.transform(get_peft_model(tiny_mixtral(), lora))
+    reference = copy.deepcopy(model)
+    ids = _ids()
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    assert _implementations_seen(model, lambda: _loss_and_grads(model, **inputs)) == [causal_mask.NAME]
+    ours = _loss_and_grads(model, **inputs)
+    assert any("lora" in name for name in ours[1])
     with monkeypatch.context() as patch:
         _hf_path(patch)
         assert _implementations_seen(reference, lambda: _loss_and_grads(reference, **inputs)) == ["sdpa"]
