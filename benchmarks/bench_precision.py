@@ -21,11 +21,11 @@ mirrored order, ``--rows a b c c b a``, to see the run-to-run spread):
   weight frozen at its initial value (``requires_grad=False``): what ``bf16-mixed``'s forward sees
   of them when no update reaches half a bf16 step of a weight of 1.0 (the control for why
   ``bf16-mixed`` ends above fp32).
-- ``bf16-mixed+dither``: ``bf16-mixed`` with each fp32 master weight moved, once before the first
-  step, to a random point of the interval that rounds to its bf16 value (``dither_masters``): the
-  forward's bf16 weights are the same bits at the start, but a weight's drift then changes them with a
-  probability in proportion to its size instead of only past half a bf16 step (the control for that
-  dead zone as the cause of ``bf16-mixed``'s gap to fp32).
+- ``bf16-mixed+dither``: ``bf16-mixed`` with ``ExpertParallelStrategy(dither_master_weights=True)``:
+  each fp32 master weight loaded from bf16 moved, at setup, to a hashed point of the interval that
+  rounds to its bf16 value, so the forward's bf16 weights keep their bits at the start and a weight's
+  drift then changes them with a probability in proportion to its size, instead of only past half a
+  bf16 step.
 
 Every row starts from one random initialisation (a bf16 checkpoint written once with ``--seed``,
 read by ``lightning_ep.models.pretrained.from_pretrained``: the same values in bf16 and fp32
@@ -100,7 +100,7 @@ class Recipe:
     label: str
     expert_gemms: str | None = None  # ExpertParallelStrategy(expert_gemms=...)
     frozen_norms: bool = False  # the normalisation weights keep their initial values
-    dither: bool = False  # fp32 master weights dithered within their bf16 rounding interval
+    dither: bool = False  # ExpertParallelStrategy(dither_master_weights=True)
 
 
 ROWS = {
@@ -115,9 +115,7 @@ ROWS = {
     "bf16-true+sr+frozen-norms": Recipe(
         "bf16-true", "torchao-sr", "bf16-true, torchao stochastic rounding, norm weights frozen", frozen_norms=True
     ),
-    "bf16-mixed+dither": Recipe(
-        "bf16-mixed", "torch", "bf16-mixed, master weights dithered within their bf16 rounding interval", dither=True
-    ),
+    "bf16-mixed+dither": Recipe("bf16-mixed", "torch", "bf16-mixed, dither_master_weights=True", dither=True),
     "32-true+frozen-norms": Recipe(
         "32-true", "torch", "32-true, torch AdamW(fused=True), norm weights frozen", frozen_norms=True
     ),
@@ -214,34 +212,7 @@ def freeze_norms(model: torch.nn.Module) -> int:
     return frozen
 
 
-def dither_masters(model: torch.nn.Module, seed: int) -> int:
-    """Move every fp32 parameter that holds bf16 values to a uniform random point strictly inside the
-    interval of reals that round (to nearest) to that bf16 value; zeros stay. Its bf16 view is
-    unchanged. Returns the number of elements moved."""
-    from torch.distributed.tensor import DTensor
-
-    moved = 0
-    with torch.no_grad():
-        for i, param in enumerate(model.parameters()):
-            local = param.to_local() if isinstance(param, DTensor) else param
-            if local.dtype != torch.float32 or local.numel() == 0:
-                continue
-            value = local.to(torch.bfloat16)
-            bits = value.view(torch.int16)
-            up = (bits + 1).view(torch.bfloat16).float()  # next bf16 of larger magnitude (sign-magnitude bits)
-            down = (bits - 1).view(torch.bfloat16).float()  # next of smaller magnitude (NaN below a zero)
-            centre = value.float()
-            low, high = (centre + down) / 2, (centre + up) / 2  # the midpoints: ties, excluded below
-            generator = torch.Generator(device=local.device).manual_seed(seed * 100_003 + i)
-            t = torch.rand(local.shape, generator=generator, device=local.device) * 0.998 + 0.001
-            dithered = low + t * (high - low)
-            keep = (centre == 0) | ~torch.isfinite(dithered)
-            local.copy_(torch.where(keep, centre, dithered))
-            moved += int((~keep).sum())
-    return moved
-
-
-def make_module(recipe: Recipe, folder: str, lr: float, warmup: int, steps: int, seed: int = 0) -> Any:
+def make_module(recipe: Recipe, folder: str, lr: float, warmup: int, steps: int) -> Any:
     from lightning.pytorch import LightningModule
 
     class PrecisionModule(LightningModule):
@@ -260,10 +231,6 @@ def make_module(recipe: Recipe, folder: str, lr: float, warmup: int, steps: int,
                 self.model = from_pretrained(folder, dtype=PARAM_DTYPES[recipe.precision])
                 if recipe.frozen_norms:
                     freeze_norms(self.model)
-
-        def on_fit_start(self) -> None:  # after the strategy has read the checkpoint into the parameters
-            if recipe.dither:
-                dither_masters(self.model, seed)
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             return self.model(input_ids=batch, labels=batch, use_cache=False).loss
@@ -361,7 +328,9 @@ def run_row(name: str, args: Any, data: torch.utils.data.Dataset, folder: str, d
     trainer = Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=world(),
-        strategy=ExpertParallelStrategy(degree=args.degree, moe=moe, expert_gemms=recipe.expert_gemms),  # type: ignore[arg-type]
+        strategy=ExpertParallelStrategy(
+            degree=args.degree, moe=moe, expert_gemms=recipe.expert_gemms, dither_master_weights=recipe.dither
+        ),  # type: ignore[arg-type]
         precision=recipe.precision,  # type: ignore[arg-type]
         max_steps=args.steps,
         callbacks=[recorder],
@@ -372,7 +341,7 @@ def run_row(name: str, args: Any, data: torch.utils.data.Dataset, folder: str, d
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    module = make_module(recipe, folder, args.lr, args.warmup, args.steps, args.seed)
+    module = make_module(recipe, folder, args.lr, args.warmup, args.steps)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch)
     trainer.fit(module, loader)
 

@@ -29,6 +29,7 @@ def check_arguments(
     moe_model: Any = None,
     frozen_experts: Any = None,
     expert_gemms: Any = None,
+    dither_master_weights: Any = False,
 ) -> None:
     """The checks of ``ExpertParallelStrategy.__init__``'s arguments that need nothing else."""
     if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
@@ -84,6 +85,8 @@ def check_arguments(
                 f"ExpertParallelStrategy({name}={value!r}) acts on the experts of lightning_ep's MoE layers, but "
                 f"MoEConfig(smp_moe=False) keeps the model's own MoE blocks; use smp_moe=True or {name}=None."
             )
+    if not isinstance(dither_master_weights, bool):
+        raise TypeError(f"ExpertParallelStrategy(dither_master_weights={dither_master_weights!r}): pass True or False.")
     if moe_model is not None and not isinstance(moe_model, str):
         raise TypeError(
             f"ExpertParallelStrategy(moe_model={moe_model!r}): pass the attribute path of the Hugging Face model "
@@ -133,6 +136,18 @@ def check_can_checkpoint(hf_model: Any, mode: Any) -> None:
         raise TypeError(
             f"ExpertParallelStrategy(activation_checkpointing={mode!r}): {type(hf_model).__name__} has no "
             "gradient_checkpointing_enable(); pass a Hugging Face model or activation_checkpointing=False."
+        )
+
+
+def check_dither(precision: str) -> None:
+    """``dither_master_weights=True`` needs fp32 master weights read in bf16: ``bf16-mixed``."""
+    if precision != "bf16-mixed":
+        raise ValueError(
+            f"ExpertParallelStrategy(dither_master_weights=True) moves fp32 master weights inside their bf16 "
+            f"rounding intervals, which only bf16-mixed reads them through, but the Trainer's precision is "
+            f"{precision!r}: use precision='bf16-mixed', or drop dither_master_weights (under bf16-true, an "
+            "optimizer with stochastic rounding, e.g. torchao's _AdamW(bf16_stochastic_round=True), lands small "
+            "updates instead)."
         )
 
 

@@ -18,7 +18,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
@@ -38,6 +38,7 @@ from lightning_ep.moe.experts.frozen import keep_frozen_experts
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.balance import update_biases_after_each_step
 from lightning_ep.parallel.compile import compile_for_training
+from lightning_ep.parallel.dither import dither_master_weights
 from lightning_ep.parallel.fsdp import (
     check_all_sharded,
     decoder_blocks,
@@ -51,6 +52,7 @@ from lightning_ep.strategy.arguments import (
     check_arguments,
     check_can_checkpoint,
     check_devices,
+    check_dither,
     check_expert_gemms,
     check_precision,
 )
@@ -114,6 +116,11 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             row-wise scales (``lightning_ep.moe.experts.fp8``; a GPU of compute capability 9.0 or later,
             torchao, ``bf16-mixed`` or ``bf16-true``); the master weights keep their dtype. ``None``: the
             compute dtype's GEMMs.
+        dither_master_weights: under ``bf16-mixed``, move each trainable fp32 master weight that was
+            loaded from bf16 to a hashed point inside the interval that rounds to its bf16 value
+            (``lightning_ep.parallel.dither``), once at setup: the forward's bf16 weights keep their
+            bits, and small updates then reach the forward on average instead of only past half a
+            bf16 step, so the run learns as fp32 does. The same masters at any degree.
 
     A configuration error is raised in full on rank 0 and as a one-line note on the other ranks
     (``lightning_ep.strategy.errors``), inside ``Trainer(...)`` already where it can.
@@ -140,6 +147,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         plan_batch: tuple[int, int] = (1, 4096),
         frozen_experts: Literal["fp8", "mxfp4"] | None = None,
         expert_gemms: Literal["fp8"] | None = None,
+        dither_master_weights: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
@@ -162,6 +170,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
                 moe_model=moe_model,
                 frozen_experts=frozen_experts,
                 expert_gemms=expert_gemms,
+                dither_master_weights=dither_master_weights,
             )
             allowed = checkpoints.check_allowed(allow_moe_config_change)
         if moe is not None and not moe.smp_moe:
@@ -181,6 +190,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.plan_batch = plan_batch
         self.frozen_experts = frozen_experts
         self.expert_gemms = expert_gemms
+        self.dither_master_weights = dither_master_weights
         self._hf_model: nn.Module | None = None
         self._bias_hooks: list[RemovableHandle] = []
         self._step_checks = StepChecks(check_finite=check_finite, log_losses=log_moe_losses)
@@ -196,6 +206,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         super().set_world_ranks()
         with shown_once(self.global_rank):
             check_precision(self.precision_plugin.precision)
+            if self.dither_master_weights:
+                check_dither(self.precision_plugin.precision)
             if self._degree != "auto" and self.parallel_devices:
                 check_devices(self._degree, self.replicate_degree, devices=self.num_processes, num_nodes=self.num_nodes)
 
@@ -268,6 +280,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         check_all_sharded(module)
+        if self.dither_master_weights:
+            _dither(module)
         # Lightning divides the loss by accumulate_grad_batches; the router losses must follow.
         scale = 1.0 / trainer.accumulate_grad_batches if module.automatic_optimization else 1.0
         for layer in self._layers():
@@ -422,3 +436,18 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             return result
 
         return super().optimizer_step(optimizer, checked, model, **kwargs)
+
+
+def _dither(module: nn.Module) -> None:
+    """``dither_master_weights`` at setup, said on rank 0; a warning when no master lies on the bf16 grid."""
+    count, moved = dither_master_weights(module.named_parameters())
+    if count:
+        rank_zero_info(
+            f"dither_master_weights: {count} fp32 master weights loaded from bf16 ({moved:,} elements on rank 0) "
+            "moved inside their bf16 rounding intervals."
+        )
+    else:
+        rank_zero_warn(
+            "ExpertParallelStrategy(dither_master_weights=True): no trainable fp32 parameter holds bf16 values "
+            "(none was loaded from a bf16 checkpoint), so nothing was dithered."
+        )

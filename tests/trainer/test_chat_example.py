@@ -147,5 +147,6 @@ def test_gpu_config_parses(tmp_path: Path) -> None:
     config = yaml.safe_load("\n".join(line for line in printed.splitlines() if not line.startswith("# lightning")))
     assert config["trainer"]["precision"] == "bf16-mixed"
     assert config["trainer"]["strategy"]["init_args"]["degree"] == 4
+    assert config["trainer"]["strategy"]["init_args"]["dither_master_weights"] is True
     assert config["model"]["pretrained"] == config["data"]["tokenizer"]
     assert config["model"]["lr"] == pytest.approx(1e-5) and config["data"]["objective"] == "token_weighted"
