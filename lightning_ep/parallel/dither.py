@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-#: Elements hashed and dithered at a time (bounds the int64 index tensors to 128 MiB).
-CHUNK_ELEMENTS = 1 << 24
+#: Elements hashed and dithered at a time (bounds the transient tensors to about 200 MiB).
+CHUNK_ELEMENTS = 1 << 22
 _MASK32 = 0xFFFFFFFF
 _MULTIPLIER = 0x45D9F3B  # below 2^31: a product with a 32-bit value stays inside int64
 

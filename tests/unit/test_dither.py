@@ -44,6 +44,18 @@ def test_dither_keeps_the_bf16_view_and_moves_the_masters() -> None:
     assert not torch.equal(other, param)  # the name keys the draws
 
 
+def test_the_chunks_do_not_change_the_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_ep.parallel import dither
+
+    values = _grid(50_000).view(250, 200)
+    whole = values.clone()
+    dither_(whole, "w")
+    monkeypatch.setattr(dither, "CHUNK_ELEMENTS", 999)  # pieces that cut rows
+    pieces = values.clone()
+    dither_(pieces, "w")
+    assert torch.equal(whole, pieces)
+
+
 def test_a_drift_reaches_the_bf16_view_on_average() -> None:
     """The point of it: under round-to-nearest a drift much smaller than half a bf16 step never shows
     in the bf16 weights of masters on the grid; dithered, it shows in proportion."""
