@@ -73,9 +73,9 @@ def dither_(param: torch.Tensor, name: str) -> int:
         raise TypeError(f"dither_: {name} is {local.dtype}; master weights to dither are float32.")
     shape, offset = _global_offset(param)
     key = zlib.crc32(name.encode())
-    flat = local.view(-1) if local.is_contiguous() else None
-    if flat is None:
+    if not local.is_contiguous():
         raise ValueError(f"dither_: {name}'s local shard is not contiguous.")
+    flat = local.view(-1)
     # Global strides: element (i0, i1, ...) of the local shard is global index sum((offset_d + i_d) * stride_d).
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
