@@ -21,14 +21,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_ep.models.hf_export import LIBRARY_BUFFERS, PathLike, detect_prefix, export_hf
 from lightning_ep.models.hf_layout import FolderLayout, Source, Stacked, Whole, layout, source_keys, source_shape
 from lightning_ep.models.hf_stored import MXFP4, BlockFP8, Encoded, Opener
 from lightning_ep.moe.experts.frozen import FrozenExpertWeight
 from lightning_ep.moe.quantized import scale_values
+from lightning_ep.parallel.mesh import local_block
 
 # Rows of a block dequantized and copied at a time: bounds the transient fp32 copy of a large block.
 CHUNK_BYTES = 64 << 20
@@ -153,26 +152,6 @@ def _tensors_to_load(
     return list(groups.values()), [([_hf_name(name)], m) for name, m in frozen]
 
 
-def _local_shard(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """This rank's block of ``tensor`` (a view to write into) and its offset in the global tensor."""
-    if not isinstance(tensor, DTensor):
-        return tensor.detach(), (0,) * tensor.ndim
-    if not all(isinstance(p, (Shard, Replicate)) for p in tensor.placements):
-        raise ValueError(
-            f"load_pretrained_sharded: {name!r} is placed {tuple(tensor.placements)} on mesh "
-            f"{tensor.device_mesh.mesh_dim_names}; only Shard and Replicate placements hold one "
-            "contiguous block of the global tensor. Shard the model with lightning_ep.shard_model."
-        )
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    local = tensor.to_local()
-    if tuple(local.shape) != tuple(shape):
-        raise RuntimeError(
-            f"load_pretrained_sharded: local shard of {name!r} is {list(local.shape)} but its placements "
-            f"{tuple(tensor.placements)} give {list(shape)}; please report this with your torch version."
-        )
-    return local, tuple(offset)
-
-
 def _plan_tensor(names: list[str], tensor: torch.Tensor, found: FolderLayout) -> list[_Read]:
     """The reads that fill this rank's block of ``tensor``; checks the stored shapes."""
     if tensor.is_meta:
@@ -180,7 +159,7 @@ def _plan_tensor(names: list[str], tensor: torch.Tensor, found: FolderLayout) ->
             f"load_pretrained_sharded: {names[0]!r} is on the meta device; allocate the model first "
             "with lightning_ep.models.init.materialize(model, device) (after transform and shard_model)."
         )
-    local, offset = _local_shard(names[0], tensor)
+    local, offset = local_block(tensor, "load_pretrained_sharded", names[0])
     name = next((n for n in names if n in found.sources), None)
     if name is None:
         raise ValueError(
@@ -293,11 +272,8 @@ def _plan_frozen(name: str, weight: FrozenExpertWeight, found: FolderLayout) -> 
 
 def _frozen_first_expert(weight: FrozenExpertWeight) -> int:
     """The global index of this rank's first expert of ``weight``."""
-    buffer = next(iter(weight.buffers()))
-    if not isinstance(buffer, DTensor):
-        return 0
-    _, offset = compute_local_shape_and_global_offset(buffer.shape, buffer.device_mesh, buffer.placements)
-    return int(offset[0])
+    name, buffer = next(iter(weight.named_buffers()))
+    return local_block(buffer, "load_pretrained_sharded", name)[1][0]
 
 
 def _raw_parts(source: Source, weight: FrozenExpertWeight) -> list[list[tuple[Encoded, int, int]]] | None:

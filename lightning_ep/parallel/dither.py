@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_ep.parallel.mesh import local_block
+
 #: Elements hashed and dithered at a time (bounds the transient tensors to about 200 MiB).
 CHUNK_ELEMENTS = 1 << 22
 _MASK32 = 0xFFFFFFFF
@@ -48,16 +50,6 @@ def uniform_at(key: int, index: torch.Tensor) -> torch.Tensor:
     return (bits.to(torch.float32) + 0.5) / float(1 << 24)
 
 
-def _global_offset(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The global shape of ``param`` and the global index of its local shard's first element per dim."""
-    if not isinstance(param, DTensor):
-        return tuple(param.shape), (0,) * param.ndim
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(param.shape), tuple(int(o) for o in offset)
-
-
 def on_bf16_grid(local: torch.Tensor) -> bool:
     """Whether every value of the float32 ``local`` is a bf16 value (one read of it, one host sync)."""
     return bool(torch.equal(local, local.to(torch.bfloat16).to(torch.float32)))
@@ -68,10 +60,10 @@ def dither_(param: torch.Tensor, name: str) -> int:
     """Move each nonzero value of the float32 ``param`` (a DTensor's local shard) to its hashed point
     inside the interval that rounds to it in bf16 (see the module docstring); zeros, infinities and
     NaNs stay. Returns the number of elements moved here."""
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local, offset = local_block(param, "dither_master_weights", name)
     if local.dtype != torch.float32:
         raise TypeError(f"dither_: {name} is {local.dtype}; master weights to dither are float32.")
-    shape, offset = _global_offset(param)
+    shape = tuple(param.shape)
     key = zlib.crc32(name.encode())
     if not local.is_contiguous():
         raise ValueError(f"dither_: {name}'s local shard is not contiguous.")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_ep.moe.layout import Layout
 
@@ -55,3 +57,27 @@ def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ``("replicate", "edp")`` mesh that FSDP2 shards experts over."""
     return mesh["replicate", "edp"]
+
+
+def local_block(tensor: torch.Tensor, who: str, name: str) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's block of ``tensor`` (a DTensor's local tensor, or a plain tensor's detached view:
+    both write through to it) and the global index of its first element per dim. ``who`` and
+    ``name`` start the error for placements that hold no contiguous block of the global tensor."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach(), (0,) * tensor.ndim
+    if not all(isinstance(p, (Shard, Replicate)) for p in tensor.placements):
+        raise ValueError(
+            f"{who}: {name!r} is placed {tuple(tensor.placements)} on mesh {tensor.device_mesh.mesh_dim_names}; "
+            "only Shard and Replicate placements hold one contiguous block of the global tensor. Shard the model "
+            "with lightning_ep.shard_model."
+        )
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    local = tensor.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(
+            f"{who}: local shard of {name!r} is {list(local.shape)} but its placements "
+            f"{tuple(tensor.placements)} give {list(shape)}; please report this with your torch version."
+        )
+    return local, tuple(int(o) for o in offset)
