@@ -72,6 +72,17 @@ def test_fp8_weight_dequantizes_to_a_hand_computation(monkeypatch: pytest.Monkey
     assert torch.equal(frozen.dequantize(torch.float32), whole)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_casting_the_module_keeps_the_stored_dtypes(fmt: str) -> None:
+    # ``bf16-true`` casts the whole model: the fp32 FP8 scales must not be rounded to bf16.
+    torch.manual_seed(0)
+    frozen = FrozenExpertWeight(fmt, torch.randn(2, 128, 64))  # type: ignore[arg-type]
+    before = {name: t.clone() for name, t in frozen.stored().items()}
+    frozen.to(torch.bfloat16).half().double()
+    for name, t in frozen.stored().items():
+        assert t.dtype == before[name].dtype and torch.equal(t, before[name]), name
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_mxfp4_weight_dequantizes_to_a_hand_computation(transposed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)

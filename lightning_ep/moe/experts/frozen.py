@@ -105,6 +105,15 @@ class FrozenExpertWeight(nn.Module):
             for e in range(local.shape[0]):
                 self.store_(local[e : e + 1], e)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FrozenExpertWeight:
+        """``Module.to`` / ``half`` / ``to_empty`` move the buffers but keep their dtypes: a cast would
+        round the FP8 scales (fp32; ``bf16-true`` casts the whole model) and scramble the packed bytes."""
+        for name, buffer in self._buffers.items():
+            if buffer is not None:
+                moved = fn(buffer)
+                self._buffers[name] = moved if moved.dtype == buffer.dtype else buffer.to(device=moved.device)
+        return self
+
     def get_extra_state(self) -> dict[str, object]:
         """What the state dict needs besides the buffers to read them back (``dequantize_stored``)."""
         return {"format": self.format, "transposed": self.transposed, "block": list(self.block)}
