@@ -233,8 +233,8 @@ def _plan_frozen(name: str, weight: FrozenExpertWeight, found: FolderLayout) -> 
             f"from a different model. {_rebuild_hint(found.folder)}"
         )
     first = _frozen_first_expert(weight)
-    local = weight.stored()
-    count = next(iter(local.values())).shape[0]
+    held = weight.held()
+    count = next(iter(held.values())).shape[0]
     _, rows, cols = weight.shape
     if isinstance(source, Whole) and source.source.shape != tuple(weight.shape):
         raise ValueError(
@@ -251,13 +251,16 @@ def _plan_frozen(name: str, weight: FrozenExpertWeight, found: FolderLayout) -> 
                     _copy_raw(opener, part, weight, e, first + e, row0, part_rows)
 
         return copy, False
-    buffer = torch.empty(1, rows, cols, dtype=torch.float32, device=next(iter(local.values())).device)
+    # Each expert's rows (or columns) that this rank quantizes: all of them unless its bytes are split.
+    dim, start, stop = weight.value_region()
+    region = [slice(0, rows), slice(0, cols)]
+    region[dim - 1] = slice(start, stop)
+    device = next(iter(held.values())).device
+    buffer = torch.empty(1, *(r.stop - r.start for r in region), dtype=torch.float32, device=device)
     plans = [
-        _plan_experts(
-            name, tuple(weight.shape), buffer, (slice(e, e + 1), slice(0, rows), slice(0, cols)), source, found.folder
-        )
+        _plan_experts(name, tuple(weight.shape), buffer, (slice(e, e + 1), *region), source, found.folder)
         if isinstance(source, Stacked)
-        else [_Read(source.source, (slice(e, e + 1), slice(0, rows), slice(0, cols)), buffer)]
+        else [_Read(source.source, (slice(e, e + 1), *region), buffer)]
         for e in range(first, first + count)
     ]
 
@@ -314,20 +317,30 @@ def _same_grid(part: BlockFP8, block: tuple[int, int]) -> bool:
 def _copy_raw(
     opener: Opener, part: Encoded, weight: FrozenExpertWeight, local: int, expert: int, row0: int, rows: int
 ) -> None:
-    """Copy expert ``expert``'s stored bytes of ``part`` (rows ``row0 ..``) into local expert ``local``."""
-    stored = weight.stored()
+    """Copy the stored bytes of ``part`` (rows ``row0 ..`` of expert ``expert``) that this rank holds
+    (``held_rows``) into local expert ``local``."""
+    held, spans = weight.held(), weight.held_rows()
     lead = (slice(expert, expert + 1),) if len(part.shape) == 3 else ()  # a fused [E, R, C] tensor, or one expert's
     if isinstance(part, BlockFP8):
-        data = opener.read(part.data, (*lead, slice(0, rows), slice(0, weight.shape[2])))
-        scale = opener.read(part.scale, (*lead, *(slice(0, n) for n in part.scale.shape[len(lead) :])))
-        stored["data"][local, row0 : row0 + rows] = data.reshape(rows, -1).view(torch.uint8)
-        grid_rows, grid0 = -(-rows // weight.block[0]), row0 // weight.block[0]
-        stored["scale_inv"][local, grid0 : grid0 + grid_rows] = scale_values(scale).reshape(grid_rows, -1)
+        (a, b), (g0, g1) = spans["data"], spans["scale_inv"]
+        lo, hi = max(a, row0), min(b, row0 + rows)
+        if lo < hi:
+            data = opener.read(part.data, (*lead, slice(lo - row0, hi - row0), slice(0, weight.shape[2])))
+            held["data"][local, lo - a : hi - a] = data.reshape(hi - lo, -1).view(torch.uint8)
+        grid0, grid_rows = row0 // weight.block[0], -(-rows // weight.block[0])
+        lo, hi = max(g0, grid0), min(g1, grid0 + grid_rows)
+        if lo < hi:
+            scale = opener.read(part.scale, (*lead, *(slice(0, n) for n in part.scale.shape[len(lead) :])))
+            grid = scale_values(scale).reshape(grid_rows, -1)
+            held["scale_inv"][local, lo - g0 : hi - g0] = grid[lo - grid0 : hi - grid0]
     else:
         assert isinstance(part, MXFP4)
-        blocks = opener.read(part.blocks, (*lead, *(slice(0, n) for n in part.blocks.shape[1:])))
-        scales = opener.read(part.scales, (*lead, *(slice(0, n) for n in part.scales.shape[1:])))
-        stored["blocks"][local], stored["scales"][local] = blocks[0], scales[0]
+        a, b = spans["blocks"]  # the output features held here, dim 1 of both
+        if a == b:
+            return
+        blocks = opener.read(part.blocks, (*lead, slice(a, b), *(slice(0, n) for n in part.blocks.shape[2:])))
+        scales = opener.read(part.scales, (*lead, slice(a, b), *(slice(0, n) for n in part.scales.shape[2:])))
+        held["blocks"][local], held["scales"][local] = blocks[0], scales[0]
 
 
 def _rebuild_hint(folder: Path) -> str:

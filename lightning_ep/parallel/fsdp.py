@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_ep.moe.experts.frozen import FrozenExpertWeight
 from lightning_ep.moe.layer import MoELayer
 from lightning_ep.parallel.mesh import dense_mesh, expert_data_mesh
 from lightning_ep.parallel.single_rank import keep_dense_local
@@ -51,6 +52,9 @@ def shard_model(
       stays sharded on ``ep``). FSDP2 averages its gradient over those ``W / d`` ranks; the
       experts' ``grad_scale = 1 / d`` (set by ``parallelize_moe_layers``) supplies the rest, so it
       is divided by the world size ``W`` exactly like a dense parameter's.
+    - Frozen expert weights kept quantized (``moe.experts.frozen``: buffers, which FSDP2 leaves whole)
+      get the same split of their bytes over ``edp`` (``FrozenExpertWeight.shard_rows_``), gathered
+      in each forward and backward by one all-gather per weight.
     - When that mesh has one rank (``degree`` = world size), FSDP2 would only copy (gradients cast to
       the reduce dtype and back included): the experts are then left out of FSDP2 (their DTensors on
       ``ep`` need no reduction), with ``compute_dtype = mp_policy.param_dtype`` for the matmuls.
@@ -90,6 +94,9 @@ def shard_model(
                     "cuda_graphs=False."
                 )
             fully_shard(layer.experts, mesh=experts_mesh, shard_placement_fn=lambda p: Shard(1), **kwargs)
+            if mesh["edp"].size() > 1:
+                for frozen in (m for m in layer.experts.modules() if isinstance(m, FrozenExpertWeight)):
+                    frozen.shard_rows_(mesh)
         else:
             unsharded.update(layer.experts.parameters(recurse=False))
             layer.experts.compute_dtype = mp_policy.param_dtype if mp_policy is not None else None

@@ -162,14 +162,19 @@ def trained(shape: ModelShape, workload: Workload) -> ModelShape:
     return with_lora(shape, workload.lora_rank) if workload.lora_rank else shape
 
 
-def _frozen_bytes(param: ParamInfo, layout: Layout, fmt: str) -> int:
-    """Bytes of a frozen expert weight ``[E, R, C]`` kept in ``fmt`` on a rank: its ``E / d`` experts
-    whole (``moe.experts.frozen``: buffers, which FSDP2 does not shard), scales included."""
+def _frozen_bytes(param: ParamInfo, shape: ModelShape, layout: Layout, fmt: str, rank: int | None) -> int:
+    """Bytes of a frozen expert weight ``[E, R, C]`` kept in ``fmt`` on ``rank``, scales included: its
+    ``E / d`` experts, dim 1 of each stored buffer split over the expert-data-parallel ranks as FSDP2
+    splits the trainable weights (``FrozenExpertWeight.shard_rows_``); ``rank=None``: those experts whole."""
     experts, rows, cols = param.shape
+    index = layout.coordinates(rank)[1] if rank is not None else 0
+    parts = layout.edp if rank is not None else 1
     if fmt == "fp8":
-        per_expert = rows * cols + 4 * -(-rows // FP8_BLOCK[0]) * -(-cols // FP8_BLOCK[1])
-    else:
-        per_expert = rows * cols // 2 + rows * cols // MXFP4_GROUP
+        grid_rows, grid_cols = -(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1])
+        per_expert = _chunk(rows, parts, index) * cols + 4 * _chunk(grid_rows, parts, index) * grid_cols
+    else:  # blocks and scales [E, out, in / 32, ...]: split on ``out``, C in GPT-OSS's [E, in, out] layout
+        out, inner = (cols, rows) if shape.transposed_experts else (rows, cols)
+        per_expert = _chunk(out, parts, index) * (inner // 2 + inner // MXFP4_GROUP)
     return experts // layout.degree * per_expert
 
 
@@ -179,7 +184,7 @@ def state_bytes(shape: ModelShape, layout: Layout, workload: Workload, rank: int
     params = grads = tensors = 0
     for p in trained(shape, workload).params:
         if not p.trainable and workload.frozen_experts and p.name.endswith(EXPERT_WEIGHTS):
-            params += _frozen_bytes(p, layout, workload.frozen_experts)
+            params += _frozen_bytes(p, shape, layout, workload.frozen_experts, rank)
             continue
         held = local_numel(p, layout, rank) * workload.param_bytes
         params += held
@@ -293,6 +298,9 @@ def _peak(shape: ModelShape, layout: Layout, workload: Workload, rank: int, rows
     no_copies = layout.experts_sharded or workload.precision != "bf16-mixed" or workload.frozen_experts
     copies = 0 if no_copies else 2 * local_experts
     dequantized = b * local_experts if workload.frozen_experts else 0
+    if workload.frozen_experts and layout.edp > 1:  # a weight's split bytes gathered, then reassembled
+        frozen = [p for p in trained(shape, workload).params if not p.trainable and p.name.endswith(EXPERT_WEIGHTS)]
+        dequantized += 2 * max(_frozen_bytes(p, shape, layout, workload.frozen_experts, None) for p in frozen)
     full = [layer_activation_bytes(shape, workload, rows, moe) + (copies if moe else 0) for moe in moe_every]
     kept = exchange_bytes(shape, layout, workload, rows) if ac == "keep_all_to_all" else 0
     saved = [t * h * residual + (kept if moe else 0) for moe in moe_every] if ac else full

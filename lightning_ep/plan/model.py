@@ -91,6 +91,12 @@ class ModelShape:
     buffer_bytes: int
 
     @property
+    def transposed_experts(self) -> bool:
+        """The expert weights are ``[E, in, out]`` (GPT-OSS's interleaved layout, the one family whose
+        experts carry biases), not ``[E, out, in]``."""
+        return self.expert_biases
+
+    @property
     def total_params(self) -> int:
         return sum(p.numel for p in self.params)
 

@@ -18,7 +18,8 @@ The model, per step and rank (``T`` tokens, ``d`` the degree, ``b`` bytes per ac
   only, and frozen experts kept in ``frozen_experts`` are dequantized in each forward and backward
   (one fused kernel: the stored bytes read, the compute dtype written);
 - FSDP2's all-gathers and reduce-scatters and HSDP's all-reduce, overlapped with compute: only what
-  exceeds the compute time shows;
+  exceeds the compute time shows; frozen experts kept in ``frozen_experts``, split over the
+  expert-data-parallel ranks, are gathered inside each forward and backward, not overlapped;
 - a host floor of ``HOST_S_PER_STEP`` plus ``HOST_S_PER_LAYER`` per decoder layer (an eager step
   launches hundreds of kernels per layer).
 
@@ -177,9 +178,15 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardwar
     dense_full, expert_full = shape.dense_params, shape.expert_params // layout.degree
     fsdp = 2 * _collective_seconds(dense_full * b, layout.shard, layout, hw)  # forward, backward
     fsdp += _collective_seconds(dense_full * 4, layout.shard, layout, hw)  # fp32 reduce-scatter
-    if layout.experts_sharded:
+    frozen_gather = 0.0
+    if workload.frozen_experts:  # split over edp: gathered inside each (re)computation, not overlapped
+        stored = expert_full * BYTES_PER_ELEMENT[workload.frozen_experts]
+        passes = 2 + (workload.activation_checkpointing is not False)
+        frozen_gather = passes * _collective_seconds(stored, layout.edp, layout, hw, layout.degree)
+    elif layout.experts_sharded:
         fsdp += 2 * _collective_seconds(expert_full * b, layout.edp, layout, hw, layout.degree)
-        fsdp += _collective_seconds(expert_full * 4, layout.edp, layout, hw, layout.degree)
+        if not workload.lora_rank:  # frozen parameters have no gradient to reduce
+            fsdp += _collective_seconds(expert_full * 4, layout.edp, layout, hw, layout.degree)
     if layout.replicate_degree > 1:  # HSDP: all-reduce of each rank's fp32 gradient shard across replicas
         rate = hw.network_gbps if layout.world > layout.gpus_per_node else hw.allgather_gbps
         fsdp += 2 * local * 4 * (layout.replicate_degree - 1) / layout.replicate_degree / (rate * 1e9)
@@ -187,7 +194,7 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardwar
         compute_s=compute,
         memory_s=streamed / (hw.hbm_gbps * 1e9),
         all_to_all_s=a2a * recompute if workload.activation_checkpointing is True else a2a,
-        fsdp_exposed_s=max(0.0, fsdp - compute),
+        fsdp_exposed_s=max(0.0, fsdp - compute) + frozen_gather,
         host_s=HOST_S_PER_STEP + HOST_S_PER_LAYER * shape.layers * recompute,
         all_to_all_bytes=a2a_bytes,
         all_to_all_crosses_nodes=layout.spans_nodes(layout.degree),

@@ -1,12 +1,20 @@
-"""Frozen expert weights kept in FP8 and MXFP4 under expert parallelism, on 2 gloo processes.
+"""Frozen expert weights kept in FP8 and MXFP4 under expert parallelism, on 2 and 4 gloo processes.
 
-A tiny PEFT LoRA Mixtral (adapters on attention and on both expert weights), its base weights read
-from a bf16 folder by ``load_pretrained_sharded`` with the experts quantized on the rank that holds
-them: at degree 2 (each rank quantizes its 4 experts) and at degree 1 (every rank holds all experts,
-its LoRA factors sharded by FSDP2 over the 2 ranks), every rank's quantized bytes equal the
-one-process model's, and the loss and every LoRA gradient equal the one-process model's fed both
-ranks' micro-batches (averaged) within 1e-5 (fp32; the same dequantized operands, the sums grouped
-otherwise).
+Tiny PEFT LoRA models (Mixtral with adapters on attention and on both expert weights; GPT-OSS with
+adapters on attention), their base weights read by ``load_pretrained_sharded``:
+
+- from a bf16 folder, the experts quantized on the rank that holds them: at degree 2 (each rank
+  quantizes its 4 experts) and at degree 1 (each rank holds half of every expert's rows, as FSDP2
+  holds half of its LoRA factors, and quantizes the whole FP8 blocks covering them; blocks of 24 rows
+  straddle the two ranks' halves);
+- from an FP8 folder (DeepSeek-V3's layout, blocks of 16) and an MXFP4 one (GPT-OSS's), each rank's
+  rows of the published bytes copied as they are.
+
+Every rank's bytes equal the one-process model's rows it holds, its gathered experts equal the
+one-process model's whole, and the loss and every LoRA gradient equal the one-process model's fed
+every rank's micro-batch (averaged) within 1e-5 (fp32; the same dequantized operands, the sums
+grouped otherwise). On 4 processes at degree 2, experts split on both axes. A DCP checkpoint saved at
+degree 2 loads at degree 1 (the bytes split) and back, each rank holding exactly its rows.
 """
 
 from __future__ import annotations
@@ -15,13 +23,45 @@ from pathlib import Path
 
 import pytest
 import torch
-from frozen_workers import run_frozen
+from families_workers import tiny_family
+from frozen_workers import run_frozen, run_initialised, run_resharded
 from harness import spawn
 from lora_workers import tiny_base
+from published import write_fp8, write_mxfp4
 
 pytestmark = pytest.mark.distributed
 
+BLOCK = (128, 128)
+
+
+def _folders(root: Path) -> Path:
+    tiny_base("mixtral").to(torch.bfloat16).save_pretrained(root / "bf16")
+    write_fp8(tiny_base("mixtral"), root / "fp8", block=(16, 16))
+    write_mxfp4(tiny_family("gpt_oss"), root / "mxfp4")
+    return root
+
 
 def test_frozen_experts_on_2_processes(tmp_path: Path) -> None:
-    tiny_base("mixtral").to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    spawn(run_frozen, 2, str(tmp_path / "bf16"), [("fp8", 2), ("mxfp4", 2), ("fp8", 1)])
+    cases = [
+        ("mixtral", "fp8", 2, "bf16", BLOCK),
+        ("mixtral", "mxfp4", 2, "bf16", BLOCK),
+        ("mixtral", "fp8", 1, "bf16", BLOCK),
+        ("mixtral", "fp8", 1, "bf16", (24, 24)),
+        ("mixtral", "mxfp4", 1, "bf16", BLOCK),
+        ("mixtral", "fp8", 1, "fp8", (16, 16)),
+        ("gpt_oss", "mxfp4", 1, "mxfp4", BLOCK),
+    ]
+    spawn(run_frozen, 2, str(_folders(tmp_path)), cases)
+
+
+def test_frozen_experts_on_4_processes(tmp_path: Path) -> None:
+    cases = [("mixtral", "fp8", 2, "bf16", (24, 24)), ("gpt_oss", "mxfp4", 2, "mxfp4", BLOCK)]
+    spawn(run_frozen, 4, str(_folders(tmp_path)), cases)
+
+
+def test_frozen_checkpoint_loads_at_another_degree(tmp_path: Path) -> None:
+    spawn(run_resharded, 2, str(_folders(tmp_path)))
+
+
+def test_split_random_init_equals_one_process() -> None:
+    spawn(run_initialised, 2)

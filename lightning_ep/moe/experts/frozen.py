@@ -22,18 +22,26 @@ dequantized weights thus live during its forward and again during its backward, 
 
 Weights published in higher precision are quantized (``moe.quantized``) expert by expert on the
 rank that holds them; weights published in these formats are copied as they are (``models.hf_io``).
+
+Expert parallelism splits the buffers by expert (dim 0, on ``ep``); ``shard_model`` also splits dim 1
+of each over the expert-data-parallel ranks (``FrozenExpertWeight.shard_rows_``), as FSDP2 splits the
+trainable expert weights, and ``dequantize`` then gathers a weight's bytes with one all-gather, in
+each forward and backward, not overlapped with compute.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ep.moe.quantized import (
     FP8_BLOCK,
@@ -59,7 +67,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class FrozenExpertWeight(nn.Module):
     """One frozen routed-expert weight ``[E, R, C]`` (its global shape) kept in ``format`` (see the
-    module docstring), its buffers sharded on the expert dim as the weight was. Answers ``shape``,
+    module docstring), its buffers sharded on the expert dim as the weight was (and on dim 1 after
+    ``shard_rows_``). Answers ``shape``,
     ``ndim`` and ``requires_grad`` (``False``) as the weight did.
 
     Args:
@@ -81,6 +90,8 @@ class FrozenExpertWeight(nn.Module):
         if like.ndim != 3:
             raise ValueError(f"FrozenExpertWeight: expert weights are [E, R, C], got {list(like.shape)}.")
         self.format, self.transposed, self.block = format, transposed, (int(block[0]), int(block[1]))
+        self._rows_mesh: DeviceMesh | None = None  # set by shard_rows_
+        self._rows_axis = "edp"
         self.global_shape = tuple(like.shape)
         experts, rows, cols = self.global_shape
         if format == "fp8":
@@ -133,29 +144,106 @@ class FrozenExpertWeight(nn.Module):
     def ndim(self) -> int:
         return 3
 
-    def stored(self) -> dict[str, torch.Tensor]:
-        """The local buffers, by name."""
+    def held(self) -> dict[str, torch.Tensor]:
+        """The blocks of the buffers this rank holds, by name: dim 1 of its experts' buffers whole, or
+        the ``held_rows()`` of it once ``shard_rows_`` split it."""
         return {name: _local(b) for name, b in self.named_buffers(recurse=False)}
+
+    def held_rows(self) -> dict[str, tuple[int, int]]:
+        """Per buffer, the global range ``(start, stop)`` of its dim 1 held here."""
+        spans = {}
+        for name, buffer in self.named_buffers(recurse=False):
+            rows = buffer.shape[1]
+            if self._rows_mesh is None:
+                spans[name] = (0, rows)
+            else:
+                axis = self._rows_mesh[self._rows_axis]
+                chunk = -(-rows // axis.size())  # torch.chunk's split, as DTensor's Shard places it
+                spans[name] = (min(rows, axis.get_local_rank() * chunk), min(rows, (axis.get_local_rank() + 1) * chunk))
+        return spans
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        """This rank's experts' buffers whole, by name: ``held()``, with the rows that the other ranks of
+        ``shard_rows_``'s axis hold gathered by one all-gather of every buffer's bytes together."""
+        held = self.held()
+        if self._rows_mesh is None:
+            return held
+        rows = {name: buffer.shape[1] for name, buffer in self.named_buffers(recurse=False)}
+        return _gather_rows(held, rows, self._rows_mesh.get_group(self._rows_axis))
+
+    @torch.no_grad()
+    def shard_rows_(self, mesh: DeviceMesh, axis: str = "edp") -> None:
+        """Split dim 1 of every buffer over ``mesh[axis]``, as FSDP2 splits the trainable expert weights
+        over the expert-data-parallel ranks (``shard_model`` calls it): the buffers become DTensors on
+        ``mesh`` (``init_mesh``'s world mesh), ``Shard(0)`` on ``ep``, ``Shard(1)`` on ``axis``
+        (torch.chunk's uneven split), replicated on the other axes. A rank then holds ``1 / size`` of
+        its experts' bytes; ``dequantize`` gathers them. Works on the meta device; idempotent."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if self._rows_mesh is not None:
+            return
+        names = mesh.mesh_dim_names or ()
+        placements = [Shard(0) if d == "ep" else Shard(1) if d == axis else Replicate() for d in names]
+        for name, buffer in list(self._buffers.items()):
+            assert buffer is not None
+            shape = torch.Size(buffer.shape)
+            local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+            rows = _local(buffer)[:, offset[1] : offset[1] + local_shape[1]].clone()
+            stride = torch.empty(shape, device="meta").stride()
+            placed = DTensor.from_local(rows, mesh, placements, run_check=False, shape=shape, stride=stride)
+            self._buffers[name] = placed
+        self._rows_mesh, self._rows_axis = mesh, axis
+
+    def value_region(self) -> tuple[int, int, int]:
+        """``(dim, start, stop)``: the slice of the values ``[n, R, C]`` (along dim 1 or 2) that
+        ``store_`` quantizes to fill the rows held here; whole FP8 blocks, so that their scales are the
+        whole weight's. ``(1, 0, R)`` unless ``shard_rows_`` split the buffers."""
+        spans = self.held_rows()
+        if self.format == "mxfp4":  # blocks [E, out, G, 16]: ``out`` is R untransposed, C transposed
+            return (2 if self.transposed else 1, *spans["blocks"])
+        (br, _), rows = self.block, self.global_shape[1]
+        (a, b), (g0, g1) = spans["data"], spans["scale_inv"]
+        needed = [(lo, hi) for lo, hi in ((a, b), (g0 * br, min(rows, g1 * br))) if lo < hi]
+        if not needed:
+            return (1, 0, 0)
+        start = min(lo for lo, _ in needed) // br * br
+        return (1, start, min(rows, -(-max(hi for _, hi in needed) // br) * br))
 
     @torch.no_grad()
     def store_(self, values: torch.Tensor, first: int) -> None:
-        """Quantize ``values [n, R, C]`` (any float dtype) into local experts ``first .. first + n - 1``."""
-        stored, rows = self.stored(), slice(first, first + values.shape[0])
+        """Quantize ``values [n, ...]`` (any float dtype), the ``value_region()`` of local experts
+        ``first .. first + n - 1`` (their whole ``[R, C]`` unless ``shard_rows_`` split the buffers), into
+        the rows of them held here."""
+        dim, start, stop = self.value_region()
+        if values.shape[dim] != stop - start:
+            raise ValueError(
+                f"FrozenExpertWeight.store_: got values {list(values.shape)}, but this rank quantizes "
+                f"{start}:{stop} of dim {dim} of {list(self.global_shape)}; pass value_region()'s slice."
+            )
+        if stop == start:
+            return
+        held, spans, experts = self.held(), self.held_rows(), slice(first, first + values.shape[0])
         if self.format == "fp8":
             data, scale_inv = quantize_fp8(values, self.block)
-            stored["data"][rows], stored["scale_inv"][rows] = data.view(torch.uint8), scale_inv
+            (a, b), (g0, g1), grid0 = spans["data"], spans["scale_inv"], start // self.block[0]
+            held["data"][experts] = data.view(torch.uint8)[:, a - start : b - start]
+            held["scale_inv"][experts] = scale_inv[:, g0 - grid0 : g1 - grid0]
         else:
             # quantize_mxfp4 groups along the last dim: ``in`` is C untransposed, R transposed.
             blocks, scales = quantize_mxfp4(values if not self.transposed else values.transpose(-1, -2))
-            stored["blocks"][rows], stored["scales"][rows] = blocks, scales
+            held["blocks"][experts], held["scales"][experts] = blocks, scales
 
     @torch.no_grad()
     def init_normal_(self, std: float) -> None:
-        """Fill the local experts with ``normal(0, std)`` values, quantized one expert at a time."""
-        count = next(iter(self.stored().values())).shape[0]
-        device = next(iter(self.stored().values())).device
-        for e in range(count):
-            self.store_(torch.randn(1, *self.global_shape[1:], device=device) * std, e)
+        """Fill the local experts with ``normal(0, std)`` values, quantized one expert at a time. Every
+        rank draws its experts whole and keeps its ``value_region()``: ranks that share the seed (and
+        hold the same experts) draw the same values, so that split FP8 blocks and their scales agree."""
+        first = next(iter(self.held().values()))
+        dim, start, stop = self.value_region()
+        for e in range(first.shape[0]):
+            values = torch.randn(1, *self.global_shape[1:], device=first.device) * std
+            self.store_(values.narrow(dim, start, stop - start), e)
 
     def dequantize(self, dtype: torch.dtype, experts: slice | None = None) -> torch.Tensor:
         """The local experts (``experts`` of them: all by default) as ``[L, R, C]`` in ``dtype``:
@@ -255,6 +343,37 @@ def _dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[in
     if cols % bc:
         values[..., full * bc :].mul_(scale_rows[..., full:])
     return values
+
+
+def _gather_rows(
+    held: dict[str, torch.Tensor], rows: dict[str, int], group: dist.ProcessGroup
+) -> dict[str, torch.Tensor]:
+    """Each of ``held``'s blocks ``[L, r, ...]`` (dim 1 split as ``torch.chunk`` splits ``rows[name]``
+    over ``group``) whole, ``[L, rows[name], ...]``: every block padded to the largest share, all of them
+    packed as bytes into one buffer (each at a 16-byte offset), one all-gather, one copy out per buffer."""
+    size = dist.get_world_size(group)
+    slots, total = {}, 0
+    for name, block in held.items():
+        chunk = -(-rows[name] // size)
+        nbytes = block.shape[0] * chunk * math.prod(block.shape[2:]) * block.element_size()
+        slots[name], total = (total, chunk, nbytes), total + -(-nbytes // 16) * 16
+    device = next(iter(held.values())).device
+    send = torch.empty(total, dtype=torch.uint8, device=device)
+    for name, block in held.items():
+        offset, chunk, nbytes = slots[name]
+        slot = send[offset : offset + nbytes].view(block.dtype).view(block.shape[0], chunk, *block.shape[2:])
+        slot[:, : block.shape[1]].copy_(block)
+    received = torch.empty(size * total, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(received, send, group=group)
+    shares = received.view(size, total)
+    out = {}
+    for name, block in held.items():
+        offset, chunk, nbytes = slots[name]
+        shape = (block.shape[0], chunk, *block.shape[2:])
+        parts = shares[:, offset : offset + nbytes].view(block.dtype).view(size, *shape)
+        whole = parts.transpose(0, 1).reshape(shape[0], size * chunk, *shape[2:])
+        out[name] = whole if size * chunk == rows[name] else whole[:, : rows[name]].contiguous()
+    return out
 
 
 def _like_placed(
