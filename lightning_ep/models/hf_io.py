@@ -59,10 +59,11 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
       ``_keys_to_ignore_on_load_unexpected``): skipped, and named in one warning on rank 0.
 
     Each rank reads exactly its local block of every parameter and persistent buffer (and the scales
-    covering it) with ``safetensors``' ``get_slice``; its host memory holds the block being read and
-    at most ``hf_stored.Opener.MAPPED_BYTES`` of mapped file pages, never a full tensor. No collective
-    is called. Tied weights are read once; ``expert_bias`` buffers and PEFT LoRA factors keep their
-    values.
+    covering it; for a frozen expert weight quantized here, the whole FP8 blocks covering its rows:
+    ``FrozenExpertWeight.value_region``) with ``safetensors``' ``get_slice``; its host memory holds
+    the block being read and at most ``hf_stored.Opener.MAPPED_BYTES`` of mapped file pages, never a
+    full tensor. No collective is called. Tied weights are read once; ``expert_bias`` buffers and PEFT
+    LoRA factors keep their values.
 
     Args:
         model: a materialised Hugging Face model, sharded or not, transformed or not, PEFT's or not.
