@@ -295,7 +295,9 @@ def resolve(execution: Execution, env: Environment, moe: MoEConfig) -> Resolved:
 
     single_rank = _single_rank_fsdp(execution.single_rank_fsdp, env, rows)
     if env.frozen_experts is not None:
-        rows.append(Choice("frozen_experts", env.frozen_experts, FROZEN_FORMATS[env.frozen_experts]))
+        edp = env.num_nodes * env.devices_per_node // (env.replicate_degree * env.degree)
+        split = f"; each expert's bytes split over {edp} ranks, gathered per layer" if edp > 1 else ""
+        rows.append(Choice("frozen_experts", env.frozen_experts, FROZEN_FORMATS[env.frozen_experts] + split))
     if env.expert_gemms is not None:
         rows.append(Choice("expert_gemms", env.expert_gemms, EXPERT_GEMMS[env.expert_gemms]))
 

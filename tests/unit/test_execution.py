@@ -59,6 +59,13 @@ def test_cpu_runs_eager_with_the_collective_exchange() -> None:
     assert rows["fused_adamw"][0] == "off"
 
 
+def test_frozen_experts_row_says_where_their_bytes_are_split() -> None:
+    at_world = _rows(resolve(Execution(), _env(devices_per_node=4, degree=4, frozen_experts="fp8"), MoEConfig()))
+    assert at_world["frozen_experts"][0] == "fp8" and "split" not in at_world["frozen_experts"][1]
+    below = _rows(resolve(Execution(), _env(devices_per_node=4, degree=1, frozen_experts="mxfp4"), MoEConfig()))
+    assert below["frozen_experts"][1].endswith("; each expert's bytes split over 4 ranks, gathered per layer")
+
+
 def test_one_gpu_gets_compile_graphs_and_the_fused_adamw() -> None:
     resolved = resolve(Execution(), _env(), MoEConfig())
     assert resolved.compile and resolved.cuda_graphs and resolved.fused_adamw and not resolved.symmetric_memory
