@@ -5,7 +5,10 @@ DeepSeek-V3's FP8 release with its multi-token-prediction layer, and GPT-OSS's M
 with ``"dtype": "bfloat16"`` in its config as the releases have it: at the start of training every
 parameter equals transformers' own dequantized fp32 load bit for bit (under ``bf16-mixed`` the
 parameters are fp32 master weights, whatever dtype the config names), the multi-token-prediction
-weights are named once (on rank 0) as ignored, and two steps train.
+weights are named once (on rank 0) as ignored, and two steps train. The same folders with their
+experts frozen and kept as published (``frozen_experts="fp8"`` / ``"mxfp4"``) at degree 1, each rank
+holding half of every expert's bytes: the experts gathered and dequantized equal transformers' load
+bit for bit too, and the setup table says where their bytes are split.
 """
 
 from __future__ import annotations
@@ -74,3 +77,30 @@ def test_fit_from_a_published_folder(model_type: str, tmp_path: Path) -> None:
     if model_type == "deepseek_v3":
         rank0, rank1 = result["ignored"]
         assert len(rank0) == 1 and "multi-token-prediction weights" in rank0[0] and rank1 == []
+
+
+@pytest.mark.parametrize(("model_type", "fmt"), [("deepseek_v3", "fp8"), ("gpt_oss", "mxfp4")])
+def test_fit_from_a_published_folder_with_its_experts_kept_as_published(
+    model_type: str, fmt: str, tmp_path: Path
+) -> None:
+    model = tiny_family(model_type, seed=3)
+    if model_type == "deepseek_v3":
+        folder = write_fp8(model, tmp_path / "hf", block=(8, 8), mtp=True)
+    else:
+        folder = write_mxfp4(model, tmp_path / "hf")
+    torch.save(transformers_state(folder), tmp_path / "reference.pt")
+    out = tmp_path / "result.json"
+    cmd = [
+        *FORKRUN, "--nproc-per-node=2", f"--master-port={_free_port()}", str(WORKER),
+        str(folder), str(tmp_path / "reference.pt"), str(out), "bf16-mixed", fmt,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    assert "each expert's bytes split over 2 ranks" in run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    frozen = [name for name in result["equal"] if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert result["differ"] == [] and len(result["equal"]) == len(list(model.parameters()))
+    assert len(frozen) == 2 * sum(1 for name, _ in model.named_parameters() if name.endswith("experts.down_proj"))
+    assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
