@@ -39,8 +39,8 @@ Rows (``--rows``, run one after another in this process; each builds its own Tra
   ``--balancing``; ``+lora`` trains PEFT LoRA adapters only (``peft.get_peft_model`` in
   ``configure_model``: rank 16, alpha 32, on ``q/k/v/o_proj`` and on ``experts.gate_up_proj`` /
   ``experts.down_proj`` through ``target_parameters``; on ``eager`` / ``grouped_mm`` rows that is HF
-  + PEFT under FSDP2, on ``ep:`` rows this library's expert-stacked adapters); ``+fp8`` / ``+mxfp4``
-  (``ep:`` rows with ``+lora``) keep the frozen expert weights in that format
+  + PEFT under FSDP2, on ``ep:`` rows this library's expert-stacked adapters); ``+fp8`` / ``+mxfp4`` /
+  ``+nf4`` (``ep:`` rows with ``+lora``) keep the frozen expert weights in that format
   (``ExpertParallelStrategy(frozen_experts=...)``); ``+fp8gemm`` (``ep:`` rows without ``+lora``) runs
   the trainable experts' GEMMs in FP8 (``ExpertParallelStrategy(expert_gemms="fp8")``); ``@reference`` (or
   another of ``_variants.VARIANTS``) runs it on the replaced hot-path code.
@@ -425,7 +425,7 @@ def run_row(row: str, shape: Shape, args: Any, device: torch.device, pretrained:
             reshard_after_forward=False if "zero2" in options else None,
             execution=execution_of(base, options, args, shape),
             activation_checkpointing=checkpointing,  # type: ignore[arg-type]
-            frozen_experts=next((o for o in options if o in ("fp8", "mxfp4")), None),  # type: ignore[arg-type]
+            frozen_experts=next((o for o in options if o in ("fp8", "mxfp4", "nf4")), None),  # type: ignore[arg-type]
             expert_gemms="fp8" if "fp8gemm" in options else None,
         )
     elif base == "hf_ep":
@@ -525,7 +525,7 @@ ROW_LABELS = {
 ROW_OPTIONS = frozenset(
     {"eager", "compile", "compile_dense", "graph", "nograph", "dedup", "budget", "autobudget", "adamw", "prefetch"}
     | {"ac", "ac_keep", "zero2", "zero3", "monitor", "manualgc", "lora", "none", "aux_loss", "sinkhorn", "balanced"}
-    | {"fp8", "mxfp4", "fp8gemm"}
+    | {"fp8", "mxfp4", "nf4", "fp8gemm"}
 )
 
 
@@ -543,7 +543,7 @@ def row_problem(row: str) -> str | None:
         return f"row {row!r}: unknown variant {code!r}; the variants are {list(VARIANTS)}"
     if {"graph", "nograph"} <= set(options):
         return f"row {row!r}: +graph and +nograph contradict each other; pass one"
-    frozen = [o for o in options if o in ("fp8", "mxfp4")]
+    frozen = [o for o in options if o in ("fp8", "mxfp4", "nf4")]
     if frozen and (not base.startswith("ep:") or "lora" not in options or len(frozen) > 1):
         return f"row {row!r}: +{frozen[0]} keeps frozen experts quantized: pass one format, on an ep: row with +lora"
     if "fp8gemm" in options and (not base.startswith("ep:") or "lora" in options):

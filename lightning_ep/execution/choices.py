@@ -59,6 +59,7 @@ LARGE_EXPERT_ELEMENTS = 2**25
 FROZEN_FORMATS = {
     "fp8": "FP8 e4m3 with block scales (128 x 128, or the folder's); dequantized per layer, forward and backward",
     "mxfp4": "MXFP4: E2M1 values, an E8M0 scale per 32; dequantized per layer, forward and backward",
+    "nf4": "NF4: 4-bit NormalFloat values, an fp32 absmax per 64; dequantized per layer, forward and backward",
 }
 
 #: The setup table's words for the strategy's ``expert_gemms``.

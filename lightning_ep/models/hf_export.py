@@ -314,15 +314,14 @@ def detect_prefix(keys: list[str] | set[str], hf_keys: Mapping[str, Any] | set[s
 def _dequantize_frozen(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with each frozen expert weight kept quantized (``moe.experts.frozen``: its buffers
     ``<w>.<name>`` and its ``<w>._extra_state``) as ``<w>`` in fp32, exactly its values."""
-    from lightning_ep.moe.experts.frozen import dequantize_stored
+    from lightning_ep.moe.experts.frozen import BUFFERS, dequantize_stored
 
     out = dict(state)
     for key, extra in state.items():
         if not key.endswith("._extra_state") or not isinstance(extra, dict) or "format" not in extra:
             continue
         weight = key.removesuffix("._extra_state")
-        names = ("data", "scale_inv") if extra["format"] == "fp8" else ("blocks", "scales")
-        stored = {name: torch.as_tensor(out.pop(f"{weight}.{name}")) for name in names}
+        stored = {name: torch.as_tensor(out.pop(f"{weight}.{name}")) for name in BUFFERS[str(extra["format"])]}
         block = (int(extra["block"][0]), int(extra["block"][1]))
         out[weight] = dequantize_stored(extra["format"], bool(extra["transposed"]), block, stored, torch.float32)
         del out[key]

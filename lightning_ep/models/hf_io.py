@@ -297,7 +297,9 @@ def _raw_parts(source: Source, weight: FrozenExpertWeight) -> list[list[tuple[En
                 aligned = row0 % weight.block[0] == 0 and (part_rows % weight.block[0] == 0 or part is parts[-1])
                 if not (isinstance(part, BlockFP8) and _same_grid(part, weight.block) and aligned):
                     return None
-            elif not (isinstance(part, MXFP4) and isinstance(source, Whole) and weight.transposed):
+            elif not (weight.format == "mxfp4" and isinstance(part, MXFP4) and isinstance(source, Whole)):
+                return None  # NF4 is quantized on load: no release ships it
+            elif not weight.transposed:
                 return None
             rows.append((part, row0, part_rows))
             row0 += part_rows

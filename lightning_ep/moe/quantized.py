@@ -8,6 +8,10 @@
   E2M1 values per byte (low nibble first), and ``<name>_scales uint8 [..., out, G]``, one E8M0
   exponent per 32 values; transformers keeps the result transposed, ``[..., in, out]``.
 
+- **NF4** (QLoRA's 4-bit NormalFloat, as bitsandbytes and torchao define its 16 values): weights
+  published in higher precision and kept frozen (``moe.experts.frozen``), one fp32 ``absmax`` per 64
+  values along the input features, two value indices a byte (low nibble first).
+
 The dequantizers take the stored slice covering the wanted block and return exactly that block, the
 products computed in fp32 as transformers computes them, then cast to ``dtype``. The quantizers, for
 weights published in higher precision and kept frozen in a low-precision format
@@ -24,6 +28,26 @@ import torch
 #: The 16 values of an E2M1 nibble (sign bit, two exponent bits, one mantissa bit).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_GROUP = 32  # values per E8M0 scale
+#: The 16 NF4 values (QLoRA's quantiles of N(0, 1) scaled to [-1, 1], with an exact 0; bitsandbytes' table).
+NF4_VALUES = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+NF4_GROUP = 64  # values per fp32 absmax, QLoRA's block size
 FP8_BLOCK = (128, 128)  # rows and columns per scale, as DeepSeek-V3 ships its weights
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
 
@@ -107,13 +131,49 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), (exponent + 127).to(torch.uint8)
 
 
+def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """NF4 ``codes uint8 [..., G, 32]`` and ``absmax float32 [..., G]`` as values ``[..., 64 G]`` in
+    ``dtype``: value ``2 i`` of a group is byte ``i``'s low nibble's NF4 value, times the group's
+    ``absmax``, in fp32."""
+    if codes.shape[:-1] != absmax.shape or codes.shape[-1] != NF4_GROUP // 2:
+        raise ValueError(
+            f"dequantize_nf4: codes {list(codes.shape)} and absmax {list(absmax.shape)} do not form NF4 groups "
+            f"([..., G, {NF4_GROUP // 2}] and [..., G])."
+        )
+    lut = torch.tensor(NF4_VALUES, dtype=torch.float32, device=codes.device)
+    packed = codes.long()
+    values = torch.stack((lut[packed & 0x0F], lut[packed >> 4]), dim=-1)  # [..., G, 32, 2]
+    values = values.reshape(*codes.shape[:-1], NF4_GROUP) * absmax.to(torch.float32).unsqueeze(-1)
+    return values.reshape(*codes.shape[:-2], -1).to(dtype)
+
+
+@torch.no_grad()
+def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes uint8 [..., G, 32], absmax float32 [..., G])`` of ``w [..., 64 G]`` (groups of 64 along
+    the last dim): each group divided by its largest magnitude (a group of zeros by 1) and every value
+    given the index of the nearest NF4 value (the lower index on a tie)."""
+    if w.shape[-1] % NF4_GROUP:
+        raise ValueError(f"quantize_nf4: the last dim of {list(w.shape)} must be a multiple of {NF4_GROUP}.")
+    groups = w.to(torch.float32).unflatten(-1, (-1, NF4_GROUP))  # [..., G, 64]
+    absmax = groups.abs().amax(dim=-1)
+    scaled = groups / torch.where(absmax > 0, absmax, 1.0).unsqueeze(-1)
+    table = torch.tensor(NF4_VALUES, dtype=torch.float32, device=w.device)
+    code = torch.argmin((scaled.unsqueeze(-1) - table).abs(), dim=-1)  # the first of equal distances
+    pairs = code.to(torch.uint8).unflatten(-1, (NF4_GROUP // 2, 2))
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous(), absmax
+
+
 __all__ = [
     "E2M1_VALUES",
     "FP8_BLOCK",
     "MXFP4_GROUP",
+    "NF4_GROUP",
+    "NF4_VALUES",
     "dequantize_fp8_block",
     "dequantize_mxfp4",
+    "dequantize_nf4",
     "quantize_fp8",
     "quantize_mxfp4",
+    "quantize_nf4",
     "scale_values",
 ]

@@ -9,6 +9,7 @@ import re
 import sys
 from collections.abc import Sequence
 
+from lightning_ep.moe.experts.frozen import FORMATS
 from lightning_ep.plan.layouts import valid_layouts
 from lightning_ep.plan.memory import PRECISIONS, Workload
 from lightning_ep.plan.model import model_shape
@@ -55,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", default="false", help="false, true or keep_all_to_all")
     p.add_argument("--capacity-factor", type=float, default=None)
     p.add_argument("--lora-rank", type=int, default=0, help="0: a full fine-tune; r: LoRA adapters of rank r only")
-    p.add_argument("--frozen-experts", default=None, choices=["fp8", "mxfp4"], help="with --lora-rank: their format")
+    p.add_argument("--frozen-experts", default=None, choices=list(FORMATS), help="with --lora-rank: their format")
     p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE))
     p.add_argument("--gpu-memory", default=None, help="device memory, e.g. 141GiB (default: the hardware's)")
     p.add_argument("--margin", type=float, default=MEMORY_MARGIN, help="share of device memory kept free")

@@ -28,8 +28,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from lightning_ep.moe.experts.frozen import FORMATS
-from lightning_ep.moe.quantized import FP8_BLOCK, MXFP4_GROUP
+from lightning_ep.moe.experts.frozen import FORMATS, GROUPS
+from lightning_ep.moe.quantized import FP8_BLOCK
 from lightning_ep.plan.layouts import Layout
 from lightning_ep.plan.model import EXPERT_WEIGHTS, ModelShape, ParamInfo, with_lora
 
@@ -59,7 +59,7 @@ class Workload:
     activation_checkpointing: Checkpointing = False
     capacity_factor: float | None = None
     lora_rank: int = 0
-    frozen_experts: Literal["fp8", "mxfp4"] | None = None
+    frozen_experts: Literal["fp8", "mxfp4", "nf4"] | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq"):
@@ -172,9 +172,10 @@ def _frozen_bytes(param: ParamInfo, shape: ModelShape, layout: Layout, fmt: str,
     if fmt == "fp8":
         grid_rows, grid_cols = -(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1])
         per_expert = _chunk(rows, parts, index) * cols + 4 * _chunk(grid_rows, parts, index) * grid_cols
-    else:  # blocks and scales [E, out, in / 32, ...]: split on ``out``, C in GPT-OSS's [E, in, out] layout
+    else:  # values and scales [E, out, in / group, ...]: split on ``out``, C in GPT-OSS's [E, in, out] layout
         out, inner = (cols, rows) if shape.transposed_experts else (rows, cols)
-        per_expert = _chunk(out, parts, index) * (inner // 2 + inner // MXFP4_GROUP)
+        group, scale_dtype, _ = GROUPS[fmt]
+        per_expert = _chunk(out, parts, index) * (inner // 2 + inner // group * scale_dtype.itemsize)
     return experts // layout.degree * per_expert
 
 

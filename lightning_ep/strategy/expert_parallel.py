@@ -107,8 +107,8 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         moe_model: attribute path of the Hugging Face MoE model to parallelise when the module holds
             several (``lightning_ep.strategy.model_selection``).
         plan_batch: ``(micro_batch, seq)`` per GPU that ``degree="auto"`` plans the memory for.
-        frozen_experts: ``"fp8"`` or ``"mxfp4"`` keeps the routed-expert weights, which must be frozen
-            (a LoRA fine-tune's), in that format (``lightning_ep.moe.experts.frozen``): with no gradient
+        frozen_experts: ``"fp8"``, ``"mxfp4"`` or ``"nf4"`` keeps the routed-expert weights, which must be
+            frozen (a LoRA fine-tune's), in that format (``lightning_ep.moe.experts.frozen``): with no gradient
             or optimizer state, copied as published from an FP8 / MXFP4 folder, else quantized expert
             by expert on the rank that holds it; each layer dequantizes them into the compute dtype
             in its forward and again in its backward. ``None``: the parameters' dtype.
@@ -145,7 +145,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         timeout: timedelta | None = _DEFAULT_TIMEOUT,
         moe_model: str | None = None,
         plan_batch: tuple[int, int] = (1, 4096),
-        frozen_experts: Literal["fp8", "mxfp4"] | None = None,
+        frozen_experts: Literal["fp8", "mxfp4", "nf4"] | None = None,
         expert_gemms: Literal["fp8"] | None = None,
         dither_master_weights: bool = False,
     ) -> None:

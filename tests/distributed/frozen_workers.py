@@ -21,14 +21,18 @@ from lightning_ep.moe.experts.frozen import FrozenExpertWeight, keep_frozen_expe
 Case = tuple[str, str, int, str, tuple[int, int]]
 
 
+#: GPT-OSS's experts 64 wide (NF4 groups 64 input features).
+GPT_OSS = {"intermediate_size": 64}
+
+
 def peft_model(model_type: str) -> nn.Module:
     """A tiny PEFT LoRA model: Mixtral with adapters on attention and both expert weights, GPT-OSS
-    (built as ``tiny_family(model_type)``) with adapters on attention."""
+    (built as ``tiny_family(model_type, **GPT_OSS)``) with adapters on attention."""
     if model_type == "mixtral":
         return tiny_peft("mixtral")
     from peft import get_peft_model
 
-    base = tiny_family(model_type).train()
+    base = tiny_family(model_type, **GPT_OSS).train()
     torch.manual_seed(1)
     return get_peft_model(base, lora_config(target_parameters=[]))
 

@@ -62,7 +62,7 @@ def check_params(rank: int, world: int, layouts: list[tuple[int, int]]) -> None:
         for model_type in ("mixtral", "gpt_oss"):
             for dtype, precision in ((torch.float32, "32-true"), (torch.bfloat16, "bf16-true")):
                 check_states(rank, world, mesh, layout, model_type, dtype, precision)
-        for fmt in (None, "fp8", "mxfp4"):
+        for fmt in (None, "fp8", "mxfp4", "nf4"):
             check_lora_states(rank, world, mesh, layout, fmt)
 
 
@@ -88,12 +88,19 @@ def check_states(rank: int, world: int, mesh: Any, layout: Layout, model_type: s
 def check_lora_states(rank: int, world: int, mesh: Any, layout: Layout, fmt: str | None) -> None:
     """A PEFT LoRA Mixtral (rank 8 on attention and both expert weights, ``lora_workers``) with its
     experts kept in ``fmt`` (or fp32): the bytes of the local parameters and frozen buffers, gradients
-    and AdamW states after a step equal the plan's for ``Workload(lora_rank=8, frozen_experts=fmt)``."""
-    from lora_workers import tiny_peft
+    and AdamW states after a step equal the plan's for ``Workload(lora_rank=8, frozen_experts=fmt)``.
+    Under NF4, which groups 64 input features, the experts are 64 wide instead of 32."""
+    from conftest import tiny_mixtral_config
+    from lora_workers import lora_config
+    from peft import get_peft_model
+    from workers import tiny_mixtral
 
     from lightning_ep.moe.experts.frozen import FrozenExpertWeight, keep_frozen_experts
 
-    model = tiny_peft("mixtral", r=8)
+    width = {"intermediate_size": 64} if fmt == "nf4" else {}
+    base = tiny_mixtral(0, **width).train()
+    torch.manual_seed(1)
+    model = get_peft_model(base, lora_config(r=8))
     lightning_ep.transform(model, CONFIG, mesh=mesh)
     if fmt is not None:
         keep_frozen_experts(model, fmt)  # type: ignore[arg-type]
@@ -107,7 +114,7 @@ def check_lora_states(rank: int, world: int, mesh: Any, layout: Layout, fmt: str
     states = [t for state in optimizer.state.values() for t in state.values()]
     held = (_local_bytes([*model.parameters(), *frozen]), _local_bytes(p.grad for p in trainable), _local_bytes(states))
     workload = Workload(precision="32-true", lora_rank=8, frozen_experts=fmt)  # type: ignore[arg-type]
-    plan = state_bytes(model_shape(tiny_config("mixtral")), layout, workload, rank)
+    plan = state_bytes(model_shape(tiny_mixtral_config(**width)), layout, workload, rank)
     assert plan == held, ("lora", fmt, layout, rank, plan, held)
 
 

@@ -7,8 +7,9 @@
 - Memory: between a layer's forward and the backward, no dequantized expert weight stays allocated:
   a model with larger experts (hidden 512, 64 experts) holds, after its forward, its quantized bytes
   and activations only, less than one layer's dequantized bf16 weights above the model at rest.
-- 200 LoRA steps with FP8 frozen experts quantized from bf16 weights follow the run on the bf16
-  weights: the last 20 steps' mean loss within 1% (same data, seed and adapters' initialisation).
+- 200 LoRA steps with FP8, MXFP4 or NF4 frozen experts quantized from bf16 weights follow the run
+  on the bf16 weights: the last 20 steps' mean loss within 1% (same data, seed and adapters'
+  initialisation; experts 64 wide).
 """
 
 from __future__ import annotations
@@ -54,9 +55,13 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (4, 64), generator=g).cuda()
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_lora_step_equals_the_step_on_dequantized_weights_on_cuda(fmt: str) -> None:
-    model = _lora()
+# NF4 groups 64 input features: its tiny Mixtral's experts are 64 wide instead of 32.
+WIDE = {"intermediate_size": 64}
+
+
+@pytest.mark.parametrize(("fmt", "overrides"), [("fp8", {}), ("mxfp4", {}), ("nf4", WIDE)])
+def test_lora_step_equals_the_step_on_dequantized_weights_on_cuda(fmt: str, overrides: dict[str, int]) -> None:
+    model = _lora(**overrides)
     reference = copy.deepcopy(model)
     keep_frozen_experts(model, fmt)  # type: ignore[arg-type]
     for name, frozen in ((n, m) for n, m in model.named_modules() if isinstance(m, FrozenExpertWeight)):
@@ -73,7 +78,9 @@ def test_lora_step_equals_the_step_on_dequantized_weights_on_cuda(fmt: str) -> N
             assert torch.equal(p.grad, expected[name].grad), name
 
 
-@pytest.mark.parametrize(("fmt", "transposed"), [("fp8", False), ("mxfp4", False), ("mxfp4", True)])
+@pytest.mark.parametrize(
+    ("fmt", "transposed"), [("fp8", False), ("mxfp4", False), ("mxfp4", True), ("nf4", False), ("nf4", True)]
+)
 def test_fused_dequantization_equals_the_cpu_s(fmt: str, transposed: bool) -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(4, 320, 192, generator=g) * torch.logspace(-3, 0, 192)  # partial FP8 blocks on both dims
@@ -100,13 +107,14 @@ def test_no_dequantized_weight_is_kept_between_forward_and_backward() -> None:
     assert held < one_layer, (held, one_layer)
 
 
-def test_200_lora_steps_with_fp8_experts_follow_the_bf16_run() -> None:
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nf4"])
+def test_200_lora_steps_with_quantized_experts_follow_the_bf16_run(fmt: str) -> None:
     curves = {}
-    for fmt in (None, "fp8"):
+    for kept in (None, fmt):
         torch.manual_seed(0)
-        model = _lora()
-        if fmt is not None:
-            keep_frozen_experts(model, fmt)
+        model = _lora(**WIDE)
+        if kept is not None:
+            keep_frozen_experts(model, kept)  # type: ignore[arg-type]
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         losses = []
         for step in range(200):
@@ -116,7 +124,7 @@ def test_200_lora_steps_with_fp8_experts_follow_the_bf16_run() -> None:
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
-        curves[fmt] = losses
-    bf16, fp8 = (sum(c[-20:]) / 20 for c in (curves[None], curves["fp8"]))
+        curves[kept] = losses
+    bf16, quantized = (sum(c[-20:]) / 20 for c in (curves[None], curves[fmt]))
     assert curves[None][-1] < curves[None][0] - 0.1  # it learned
-    assert abs(fp8 / bf16 - 1) < 0.01, (fp8, bf16)
+    assert abs(quantized / bf16 - 1) < 0.01, (fmt, quantized, bf16)

@@ -32,7 +32,14 @@ from lightning_ep import MoEConfig
 from lightning_ep.models.hf_io import export_hf, load_pretrained_sharded
 from lightning_ep.moe.experts import frozen as frozen_module
 from lightning_ep.moe.experts.frozen import FrozenExpertWeight, keep_frozen_experts
-from lightning_ep.moe.quantized import dequantize_mxfp4, quantize_fp8, quantize_mxfp4
+from lightning_ep.moe.quantized import (
+    NF4_VALUES,
+    dequantize_mxfp4,
+    dequantize_nf4,
+    quantize_fp8,
+    quantize_mxfp4,
+    quantize_nf4,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import micro_batch, tiny_family
@@ -72,7 +79,7 @@ def test_fp8_weight_dequantizes_to_a_hand_computation(monkeypatch: pytest.Monkey
     assert torch.equal(frozen.dequantize(torch.float32), whole)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nf4"])
 def test_casting_the_module_keeps_the_stored_dtypes(fmt: str) -> None:
     # ``bf16-true`` casts the whole model: the fp32 FP8 scales must not be rounded to bf16.
     torch.manual_seed(0)
@@ -120,22 +127,79 @@ def test_mxfp4_quantizer_follows_the_ocp_rule() -> None:
     assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
 
 
+def nf4_dequantize_by_hand(codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """``[..., out, in]`` in fp32, one byte at a time: low nibble, then high nibble, each NF4 value times
+    its group's absmax."""
+    flat_codes, flat_absmax = codes.reshape(-1, 32), absmax.reshape(-1)
+    out = torch.empty(flat_codes.shape[0], 64)
+    for g in range(flat_codes.shape[0]):
+        for i in range(32):
+            byte = int(flat_codes[g, i])
+            out[g, 2 * i] = NF4_VALUES[byte & 15] * float(flat_absmax[g])
+            out[g, 2 * i + 1] = NF4_VALUES[byte >> 4] * float(flat_absmax[g])
+    return out.reshape(*codes.shape[:-2], codes.shape[-2] * 64)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_nf4_weight_dequantizes_to_a_hand_computation(transposed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(2, 64, 128) * torch.logspace(-3, 1, 128)
+    frozen = FrozenExpertWeight("nf4", nn.Parameter(w, requires_grad=False), transposed=transposed)
+    stored = frozen.stored()
+    out, inner = (128, 64) if transposed else (64, 128)
+    assert tuple(stored["codes"].shape) == (2, out, inner // 64, 32) and stored["codes"].dtype == torch.uint8
+    assert tuple(stored["absmax"].shape) == (2, out, inner // 64) and stored["absmax"].dtype == torch.float32
+    by_hand = nf4_dequantize_by_hand(stored["codes"], stored["absmax"])  # [E, out, in]
+    expected = by_hand.transpose(1, 2) if transposed else by_hand
+    assert torch.equal(frozen.dequantize(torch.float32), expected)
+    monkeypatch.setattr(frozen_module, "DEQUANTIZE_ELEMENTS", 1)  # one expert at a time: the same values
+    assert torch.equal(frozen.dequantize(torch.float32), expected)
+    rel = (frozen.dequantize(torch.float32) - w).norm() / w.norm()
+    assert rel < 0.15  # a measured 0.09 on normal values, against MXFP4's 0.11
+
+
+def test_nf4_quantizer_takes_the_nearest_value() -> None:
+    # Each group is divided by its absmax: the extremes land on -1 and 1 exactly, zero on the exact 0.
+    group = torch.tensor(NF4_VALUES * 4) * 3.0  # every NF4 value, absmax 3
+    codes, absmax = quantize_nf4(group.reshape(1, 64))
+    assert absmax.tolist() == [[3.0]]
+    assert torch.equal(dequantize_nf4(codes, absmax, torch.float32)[0], group)
+    # Between two values: the nearer one; on the midpoint, the lower index.
+    mid = (NF4_VALUES[8] + NF4_VALUES[9]) / 2
+    row = torch.tensor([1.0, mid, mid + 1e-3, mid - 1e-3] + [0.0] * 60).reshape(1, 64)
+    got = dequantize_nf4(*quantize_nf4(row), torch.float32)[0, :4].tolist()
+    assert got == [1.0, NF4_VALUES[8], NF4_VALUES[9], NF4_VALUES[8]]
+    # A group of zeros keeps absmax 0 and dequantizes to zeros.
+    codes, absmax = quantize_nf4(torch.zeros(1, 64))
+    assert absmax.tolist() == [[0.0]] and not dequantize_nf4(codes, absmax, torch.float32).any()
+    # Quantizing dequantized values gives the same bytes back.
+    first = quantize_nf4(torch.randn(4, 128, generator=torch.Generator().manual_seed(0)))
+    again = quantize_nf4(dequantize_nf4(*first, torch.float32))
+    assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quantize_nf4(torch.zeros(2, 96))
+    with pytest.raises(ValueError, match="frozen_experts='nf4' groups 64 input features a scale"):
+        FrozenExpertWeight("nf4", torch.zeros(2, 64, 32))
+
+
 # --------------------------------------------------------------------------------------------
 # The LoRA step
 # --------------------------------------------------------------------------------------------
 
 
-def _models(model_type: str, fmt: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
-    """``(quantized, reference)``: a transformed PEFT LoRA model with its experts kept in ``fmt``, and a copy
-    whose frozen expert parameters hold the dequantized values."""
-    if model_type == "mixtral":
+def _models(model_type: str, fmt: str, dtype: torch.dtype, **config: int) -> tuple[nn.Module, nn.Module]:
+    """``(quantized, reference)``: a transformed PEFT LoRA model (its config's fields overridden by
+    ``config``) with its experts kept in ``fmt``, and a copy whose frozen expert parameters hold the
+    dequantized values."""
+    if model_type == "mixtral" and not config:
         model = tiny_peft("mixtral")
     else:
         from peft import get_peft_model
+        from workers import tiny_mixtral
 
-        base = tiny_family(model_type).train()
+        base = (tiny_mixtral(0, **config) if model_type == "mixtral" else tiny_family(model_type, **config)).train()
         torch.manual_seed(1)
-        model = get_peft_model(base, lora_config(target_parameters=[]))
+        model = get_peft_model(base, lora_config(**({} if model_type == "mixtral" else {"target_parameters": []})))
     model = model.to(dtype)
     lightning_ep.transform(model, CONFIG)
     reference = copy.deepcopy(model)
@@ -146,17 +210,23 @@ def _models(model_type: str, fmt: str, dtype: torch.dtype) -> tuple[nn.Module, n
     return model, reference
 
 
+# NF4 groups 64 input features: the tiny models' experts 64 wide instead of 32.
 @pytest.mark.parametrize(
-    ("model_type", "fmt", "dtype"),
+    ("model_type", "fmt", "dtype", "config"),
     [
-        ("mixtral", "fp8", torch.float32),
-        ("mixtral", "mxfp4", torch.float32),
-        ("mixtral", "fp8", torch.bfloat16),
-        ("gpt_oss", "mxfp4", torch.float32),
+        ("mixtral", "fp8", torch.float32, {}),
+        ("mixtral", "mxfp4", torch.float32, {}),
+        ("mixtral", "fp8", torch.bfloat16, {}),
+        ("gpt_oss", "mxfp4", torch.float32, {}),
+        ("mixtral", "nf4", torch.float32, {"intermediate_size": 64}),
+        ("mixtral", "nf4", torch.bfloat16, {"intermediate_size": 64}),
+        ("gpt_oss", "nf4", torch.float32, {"intermediate_size": 64}),
     ],
 )
-def test_lora_step_equals_the_step_on_dequantized_weights(model_type: str, fmt: str, dtype: torch.dtype) -> None:
-    model, reference = _models(model_type, fmt, dtype)
+def test_lora_step_equals_the_step_on_dequantized_weights(
+    model_type: str, fmt: str, dtype: torch.dtype, config: dict[str, int]
+) -> None:
+    model, reference = _models(model_type, fmt, dtype, **config)
     made: list[weakref.ref[torch.Tensor]] = []
     dequantize = FrozenExpertWeight.dequantize
 
@@ -201,8 +271,8 @@ def test_keep_frozen_experts_refuses_trainable_experts() -> None:
 
 
 def test_strategy_refuses_an_unknown_format() -> None:
-    with pytest.raises(ValueError, match=r"frozen_experts='nf4'\): pass one of \['fp8', 'mxfp4'\]"):
-        lightning_ep.ExpertParallelStrategy(frozen_experts="nf4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"frozen_experts='int4'\): pass one of \['fp8', 'mxfp4', 'nf4'\]"):
+        lightning_ep.ExpertParallelStrategy(frozen_experts="int4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="smp_moe=False"):
         lightning_ep.ExpertParallelStrategy(frozen_experts="fp8", moe=MoEConfig(smp_moe=False))
 
@@ -299,6 +369,28 @@ def test_a_folder_in_another_format_is_requantized_with_one_warning(tmp_path: Pa
     for name, frozen in frozen_weights(model).items():  # the MXFP4 values, rounded to FP8
         expected = FrozenExpertWeight("fp8", mxfp4_by_hand(folder, name)).dequantize(torch.float32)
         assert torch.equal(frozen.dequantize(torch.float32), expected), name
+
+
+def test_published_and_bf16_folders_are_quantized_into_nf4(tmp_path: Path) -> None:
+    # No release ships NF4: GPT-OSS's MXFP4 bytes are dequantized and quantized again (one warning), a
+    # bf16 folder's experts are quantized as quantize_nf4 quantizes them, along ``in`` ([E, in, out]).
+    source = tiny_family("gpt_oss", 11, intermediate_size=64)
+    folder = write_mxfp4(source, tmp_path / "mxfp4")
+    model = _meta_frozen("gpt_oss", "nf4", intermediate_size=64)
+    with pytest.warns(UserWarning, match=r"quantized otherwise than the model keeps them \(nf4\)"):
+        load_pretrained_sharded(model, folder)
+    for name, frozen in frozen_weights(model).items():
+        expected = FrozenExpertWeight("nf4", mxfp4_by_hand(folder, name), transposed=True)
+        assert torch.equal(frozen.dequantize(torch.float32), expected.dequantize(torch.float32)), name
+    source.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model = _load(_meta_frozen("gpt_oss", "nf4", intermediate_size=64), tmp_path / "bf16")
+    for name, frozen in frozen_weights(model).items():
+        codes, absmax = quantize_nf4(source.get_parameter(name).detach().to(torch.bfloat16).transpose(1, 2))
+        assert torch.equal(frozen.stored()["codes"], codes) and torch.equal(frozen.stored()["absmax"], absmax), name
+    out = export_hf(model, tmp_path / "export", hf_config_or_folder=tmp_path / "bf16")
+    exported = _load(lightning_ep.transform(tiny_family("gpt_oss", 3, intermediate_size=64), CONFIG), out)
+    for name, frozen in frozen_weights(model).items():
+        assert torch.equal(exported.get_parameter(name), frozen.dequantize(torch.float32)), name
 
 
 def mxfp4_by_hand(folder: Path, name: str) -> torch.Tensor:

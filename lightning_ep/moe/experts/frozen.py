@@ -1,4 +1,4 @@
-"""Frozen routed-expert weights kept in FP8 or MXFP4, dequantized one layer at a time.
+"""Frozen routed-expert weights kept in FP8, MXFP4 or NF4, dequantized one layer at a time.
 
 Legend: E experts, L experts held here, R x C one expert's matrix as the experts multiply by it.
 
@@ -14,6 +14,10 @@ low-precision layout, with no gradient and no optimizer state:
   ``scales uint8 [E, out, in/32]`` (E8M0 exponents, one per 32 values along ``in``), as GPT-OSS ships
   them; 0.53 byte an element. ``in`` is the input features: ``C`` for ``[E, out, in]`` weights, ``R``
   for GPT-OSS's transposed ``[E, in, out]`` (``transposed=True``).
+- ``"nf4"``: ``codes uint8 [E, out, in/64, 32]`` (two NF4 value indices a byte, low nibble first) and
+  ``absmax float32 [E, out, in/64]`` (one per 64 values along ``in``), QLoRA's 4-bit NormalFloat
+  with single-precision block scales as bitsandbytes stores it without double quantization; 0.5625
+  byte an element. No MoE release ships it: weights are quantized into it on load.
 
 The experts' forward asks each weight for ``dequantize()``: its local experts in the compute dtype,
 a transient tensor. The autograd graph keeps no copy of it: ``recomputed_in_backward`` replaces every
@@ -21,7 +25,7 @@ saved view of it by a recipe that dequantizes it again when the backward reads i
 dequantized weights thus live during its forward and again during its backward, never between.
 
 Weights published in higher precision are quantized (``moe.quantized``) expert by expert on the
-rank that holds them; weights published in these formats are copied as they are (``models.hf_io``).
+rank that holds them; weights published in FP8 or MXFP4 are copied as they are (``models.hf_io``).
 
 Expert parallelism splits the buffers by expert (dim 0, on ``ep``); ``shard_model`` also splits dim 1
 of each over the expert-data-parallel ranks (``FrozenExpertWeight.shard_rows_``), as FSDP2 splits the
@@ -46,17 +50,31 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_ep.moe.quantized import (
     FP8_BLOCK,
     MXFP4_GROUP,
+    NF4_GROUP,
     dequantize_mxfp4,
+    dequantize_nf4,
     quantize_fp8,
     quantize_mxfp4,
+    quantize_nf4,
 )
 
-Format = Literal["fp8", "mxfp4"]
+Format = Literal["fp8", "mxfp4", "nf4"]
 FORMATS: tuple[str, ...] = get_args(Format)
 #: Elements dequantized in fp32 at a time (whole experts): bounds the transient copy to 256 MiB.
 DEQUANTIZE_ELEMENTS = 1 << 26
 #: Bytes an element of each format takes, scales included (the planner's figure).
-BYTES_PER_ELEMENT = {"fp8": 1.0 + 4.0 / (FP8_BLOCK[0] * FP8_BLOCK[1]), "mxfp4": 0.5 + 1.0 / MXFP4_GROUP}
+BYTES_PER_ELEMENT = {
+    "fp8": 1.0 + 4.0 / (FP8_BLOCK[0] * FP8_BLOCK[1]),
+    "mxfp4": 0.5 + 1.0 / MXFP4_GROUP,
+    "nf4": 0.5 + 4.0 / NF4_GROUP,
+}
+#: Values along ``in`` per scale of the 4-bit formats, and their buffers: (value bytes, scales).
+GROUPS = {
+    "mxfp4": (MXFP4_GROUP, torch.uint8, ("blocks", "scales")),
+    "nf4": (NF4_GROUP, torch.float32, ("codes", "absmax")),
+}
+#: Each format's buffers, by name.
+BUFFERS = {"fp8": ("data", "scale_inv"), **{fmt: names for fmt, (_, _, names) in GROUPS.items()}}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -72,10 +90,10 @@ class FrozenExpertWeight(nn.Module):
     ``ndim`` and ``requires_grad`` (``False``) as the weight did.
 
     Args:
-        format: ``"fp8"`` or ``"mxfp4"``.
+        format: ``"fp8"``, ``"mxfp4"`` or ``"nf4"``.
         like: the weight it replaces (a Parameter, a DTensor sharded on dim 0, or on the meta device):
             its shape, placement and device; its values are quantized unless on the meta device.
-        transposed: the weight is ``[E, in, out]`` (GPT-OSS); MXFP4 groups run along ``in``.
+        transposed: the weight is ``[E, in, out]`` (GPT-OSS); MXFP4 and NF4 groups run along ``in``.
         block: FP8's rows and columns per scale (a folder's ``weight_block_size``, kept as published).
     """
 
@@ -99,15 +117,15 @@ class FrozenExpertWeight(nn.Module):
             specs = {"data": (self.global_shape, torch.uint8), "scale_inv": (grid, torch.float32)}
         else:
             out, inner = (cols, rows) if transposed else (rows, cols)
-            if inner % MXFP4_GROUP:
+            group, scale_dtype, (values_name, scales_name) = GROUPS[format]
+            if inner % group:
                 raise ValueError(
-                    f"frozen_experts='mxfp4' groups {MXFP4_GROUP} input features a scale, but an expert weight "
+                    f"frozen_experts={format!r} groups {group} input features a scale, but an expert weight "
                     f"{list(self.global_shape)} has {inner}; use frozen_experts='fp8' for this model."
                 )
-            groups = inner // MXFP4_GROUP
             specs = {
-                "blocks": ((experts, out, groups, MXFP4_GROUP // 2), torch.uint8),
-                "scales": ((experts, out, groups), torch.uint8),
+                values_name: ((experts, out, inner // group, group // 2), torch.uint8),
+                scales_name: ((experts, out, inner // group), scale_dtype),
             }
         local = _local(like)
         for name, (shape, dtype) in specs.items():
@@ -200,8 +218,8 @@ class FrozenExpertWeight(nn.Module):
         ``store_`` quantizes to fill the rows held here; whole FP8 blocks, so that their scales are the
         whole weight's. ``(1, 0, R)`` unless ``shard_rows_`` split the buffers."""
         spans = self.held_rows()
-        if self.format == "mxfp4":  # blocks [E, out, G, 16]: ``out`` is R untransposed, C transposed
-            return (2 if self.transposed else 1, *spans["blocks"])
+        if self.format in GROUPS:  # [E, out, G, ...]: ``out`` is R untransposed, C transposed
+            return (2 if self.transposed else 1, *spans[BUFFERS[self.format][0]])
         (br, _), rows = self.block, self.global_shape[1]
         (a, b), (g0, g1) = spans["data"], spans["scale_inv"]
         needed = [(lo, hi) for lo, hi in ((a, b), (g0 * br, min(rows, g1 * br))) if lo < hi]
@@ -230,9 +248,11 @@ class FrozenExpertWeight(nn.Module):
             held["data"][experts] = data.view(torch.uint8)[:, a - start : b - start]
             held["scale_inv"][experts] = scale_inv[:, g0 - grid0 : g1 - grid0]
         else:
-            # quantize_mxfp4 groups along the last dim: ``in`` is C untransposed, R transposed.
-            blocks, scales = quantize_mxfp4(values if not self.transposed else values.transpose(-1, -2))
-            held["blocks"][experts], held["scales"][experts] = blocks, scales
+            # The 4-bit quantizers group along the last dim: ``in`` is C untransposed, R transposed.
+            quantize = quantize_mxfp4 if self.format == "mxfp4" else quantize_nf4
+            packed, scales = quantize(values if not self.transposed else values.transpose(-1, -2))
+            values_name, scales_name = BUFFERS[self.format]
+            held[values_name][experts], held[scales_name][experts] = packed, scales
 
     @torch.no_grad()
     def init_normal_(self, std: float) -> None:
@@ -315,7 +335,10 @@ def dequantize_stored(
     ``dtype``, computed in fp32; ``format``, ``transposed`` and ``block`` as the weight's extra state."""
     if format == "fp8":
         return _dequantize_fp8(stored["data"], stored["scale_inv"], block).to(dtype)
-    values = dequantize_mxfp4(stored["blocks"], stored["scales"], torch.float32)  # [n, out, in]
+    if format == "nf4":
+        values = dequantize_nf4(stored["codes"], stored["absmax"], torch.float32)  # [n, out, in]
+    else:
+        values = dequantize_mxfp4(stored["blocks"], stored["scales"], torch.float32)
     return (values.transpose(-1, -2) if transposed else values).to(dtype)
 
 
@@ -431,8 +454,10 @@ class _Recipe:
 
 
 __all__ = [
+    "BUFFERS",
     "BYTES_PER_ELEMENT",
     "FORMATS",
+    "GROUPS",
     "Format",
     "FrozenExpertWeight",
     "dequantize_stored",
