@@ -1,8 +1,9 @@
-"""Frozen expert weights kept in FP8 or MXFP4 (``lightning_ep.moe.experts.frozen``), on one process.
+"""Frozen expert weights kept in FP8, MXFP4 or NF4 (``lightning_ep.moe.experts.frozen``), on one process.
 
 - The formats: the stored values dequantize exactly to a hand computation (loops over blocks and
   nibbles, ``tests/distributed/published.py``); the MXFP4 quantizer follows the OCP MX rule (ties to
-  the even E2M1 value, clamping at 6); quantizing dequantized values gives the same bytes back.
+  the even E2M1 value, clamping at 6), the NF4 one takes the nearest of its 16 values; quantizing
+  dequantized values gives the same bytes back. Casting the model keeps the stored dtypes.
 - The LoRA step: a PEFT LoRA model (tiny Mixtral, adapters on attention and both expert weights; tiny
   GPT-OSS, adapters on attention) with its experts kept quantized gives the loss, every gradient and
   the AdamW step of the same model whose expert parameters hold the dequantized values, bit for bit in
@@ -31,7 +32,7 @@ import lightning_ep
 from lightning_ep import MoEConfig
 from lightning_ep.models.hf_io import export_hf, load_pretrained_sharded
 from lightning_ep.moe.experts import frozen as frozen_module
-from lightning_ep.moe.experts.frozen import FrozenExpertWeight, keep_frozen_experts
+from lightning_ep.moe.experts.frozen import BUFFERS, FrozenExpertWeight, keep_frozen_experts
 from lightning_ep.moe.quantized import (
     NF4_VALUES,
     dequantize_mxfp4,
@@ -90,26 +91,6 @@ def test_casting_the_module_keeps_the_stored_dtypes(fmt: str) -> None:
         assert t.dtype == before[name].dtype and torch.equal(t, before[name]), name
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_mxfp4_weight_dequantizes_to_a_hand_computation(transposed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    torch.manual_seed(0)
-    w = torch.randn(2, 64, 96) * torch.logspace(-3, 1, 96)
-    frozen = FrozenExpertWeight("mxfp4", nn.Parameter(w, requires_grad=False), transposed=transposed)
-    stored = frozen.stored()
-    out, inner = (96, 64) if transposed else (64, 96)
-    assert tuple(stored["blocks"].shape) == (2, out, inner // 32, 16) and tuple(stored["scales"].shape) == (
-        2,
-        out,
-        inner // 32,
-    )
-    by_hand = mxfp4_dequantize_by_hand(stored["blocks"], stored["scales"])  # [E, out, in]
-    assert torch.equal(frozen.dequantize(torch.float32), by_hand.transpose(1, 2) if transposed else by_hand)
-    monkeypatch.setattr(frozen_module, "DEQUANTIZE_ELEMENTS", 1)  # one expert at a time: the same values
-    assert torch.equal(frozen.dequantize(torch.float32), by_hand.transpose(1, 2) if transposed else by_hand)
-    rel = (frozen.dequantize(torch.float32) - w).norm() / w.norm()
-    assert rel < 0.2  # E2M1 keeps 1 mantissa bit; a measured 0.11 on normal values
-
-
 def test_mxfp4_quantizer_follows_the_ocp_rule() -> None:
     # amax 4 -> shared exponent floor(log2 4) - 2 = 0: the values themselves, rounded to E2M1.
     values = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, 4.0, 0.0, 0.1, -6.0, 2.9, 0.5, 1.5]
@@ -140,22 +121,26 @@ def nf4_dequantize_by_hand(codes: torch.Tensor, absmax: torch.Tensor) -> torch.T
     return out.reshape(*codes.shape[:-2], codes.shape[-2] * 64)
 
 
+# The relative error bounds: measured 0.11 (MXFP4) and 0.09 (NF4) on normal values.
+@pytest.mark.parametrize(("fmt", "group", "bound"), [("mxfp4", 32, 0.2), ("nf4", 64, 0.15)])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_nf4_weight_dequantizes_to_a_hand_computation(transposed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_4bit_weight_dequantizes_to_a_hand_computation(
+    fmt: str, group: int, bound: float, transposed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     torch.manual_seed(0)
     w = torch.randn(2, 64, 128) * torch.logspace(-3, 1, 128)
-    frozen = FrozenExpertWeight("nf4", nn.Parameter(w, requires_grad=False), transposed=transposed)
+    frozen = FrozenExpertWeight(fmt, nn.Parameter(w, requires_grad=False), transposed=transposed)  # type: ignore[arg-type]
     stored = frozen.stored()
+    values, scales = BUFFERS[fmt]
     out, inner = (128, 64) if transposed else (64, 128)
-    assert tuple(stored["codes"].shape) == (2, out, inner // 64, 32) and stored["codes"].dtype == torch.uint8
-    assert tuple(stored["absmax"].shape) == (2, out, inner // 64) and stored["absmax"].dtype == torch.float32
-    by_hand = nf4_dequantize_by_hand(stored["codes"], stored["absmax"])  # [E, out, in]
-    expected = by_hand.transpose(1, 2) if transposed else by_hand
+    assert tuple(stored[values].shape) == (2, out, inner // group, group // 2) and stored[values].dtype == torch.uint8
+    assert tuple(stored[scales].shape) == (2, out, inner // group)
+    by_hand = (mxfp4_dequantize_by_hand if fmt == "mxfp4" else nf4_dequantize_by_hand)(stored[values], stored[scales])
+    expected = by_hand.transpose(1, 2) if transposed else by_hand  # by hand: [E, out, in]
     assert torch.equal(frozen.dequantize(torch.float32), expected)
     monkeypatch.setattr(frozen_module, "DEQUANTIZE_ELEMENTS", 1)  # one expert at a time: the same values
     assert torch.equal(frozen.dequantize(torch.float32), expected)
-    rel = (frozen.dequantize(torch.float32) - w).norm() / w.norm()
-    assert rel < 0.15  # a measured 0.09 on normal values, against MXFP4's 0.11
+    assert (frozen.dequantize(torch.float32) - w).norm() / w.norm() < bound
 
 
 def test_nf4_quantizer_takes_the_nearest_value() -> None:
