@@ -61,7 +61,7 @@ def lora_table() -> None:
     print("|---|---|---|---|")
     for name in MODELS:
         shape = model_shape(CONFIGS / f"{name}.json")
-        for fmt in (None, "fp8", "mxfp4"):
+        for fmt in (None, "fp8", "mxfp4", "nf4"):
             workload = Workload(**LORA, frozen_experts=fmt)  # type: ignore[arg-type]
             cells = []
             for hardware in (Hardware.h100(), Hardware.h200()):
