@@ -298,8 +298,8 @@ def _raw_parts(source: Source, weight: FrozenExpertWeight) -> list[list[tuple[En
                 if not (isinstance(part, BlockFP8) and _same_grid(part, weight.block) and aligned):
                     return None
             elif not (weight.format == "mxfp4" and isinstance(part, MXFP4) and isinstance(source, Whole)):
-                return None  # NF4 is quantized on load: no release ships it
-            elif not weight.transposed:
+                return None  # (NF4 is always quantized on load: no release ships it)
+            elif not weight.transposed:  # GPT-OSS's [E, in, out] is the one MXFP4 layout published
                 return None
             rows.append((part, row0, part_rows))
             row0 += part_rows

@@ -86,8 +86,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class FrozenExpertWeight(nn.Module):
     """One frozen routed-expert weight ``[E, R, C]`` (its global shape) kept in ``format`` (see the
     module docstring), its buffers sharded on the expert dim as the weight was (and on dim 1 after
-    ``shard_rows_``). Answers ``shape``,
-    ``ndim`` and ``requires_grad`` (``False``) as the weight did.
+    ``shard_rows_``). Answers ``shape``, ``ndim`` and ``requires_grad`` (``False``) as the weight did.
 
     Args:
         format: ``"fp8"``, ``"mxfp4"`` or ``"nf4"``.
@@ -176,8 +175,8 @@ class FrozenExpertWeight(nn.Module):
                 spans[name] = (0, rows)
             else:
                 axis = self._rows_mesh[self._rows_axis]
-                chunk = -(-rows // axis.size())  # torch.chunk's split, as DTensor's Shard places it
-                spans[name] = (min(rows, axis.get_local_rank() * chunk), min(rows, (axis.get_local_rank() + 1) * chunk))
+                chunk, index = -(-rows // axis.size()), axis.get_local_rank()  # torch.chunk's split, as Shard's
+                spans[name] = (min(rows, index * chunk), min(rows, (index + 1) * chunk))
         return spans
 
     def stored(self) -> dict[str, torch.Tensor]:
