@@ -145,7 +145,7 @@ def test_lora_with_frozen_fp8_experts_fits_a_mixtral_8x7b_on_one_80_gib_gpu() ->
 
 def test_workload_refuses_frozen_experts_without_lora() -> None:
     with pytest.raises(
-        ValueError, match=r"frozen_experts='fp8'\): pass one of \['fp8', 'mxfp4'\] with a lora_rank >= 1"
+        ValueError, match=r"frozen_experts='fp8'\): pass one of \['fp8', 'mxfp4', 'nf4'\] with a lora_rank >= 1"
     ):
         Workload(frozen_experts="fp8")
     with pytest.raises(ValueError, match=r"lora_rank=-1"):
