@@ -126,6 +126,13 @@ def test_bench_optim_runs(tmp_path: Path) -> None:
     assert all("block 512" in row[3] for row in table[3::4]), text
 
 
+def test_bench_quant_error_ranks_the_formats(tmp_path: Path) -> None:
+    table = _table_rows(_run("bench_quant_error.py", ["--size", "256"], tmp_path, nproc=1))
+    errors = {row[0]: [float(x) for x in row[2:]] for row in table}
+    assert list(errors) == ["fp8", "mxfp4", "nf4"], table
+    assert all(fp8 < nf4 < mxfp4 for fp8, mxfp4, nf4 in zip(*errors.values(), strict=True)), errors
+
+
 def test_bench_sinkhorn_runs(tmp_path: Path) -> None:
     text = _run(
         "bench_sinkhorn.py", ["--sizes", "64x8", "100x60", "--iterations", "3", "--calls", "2"], tmp_path, nproc=1
