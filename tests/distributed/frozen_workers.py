@@ -1,6 +1,6 @@
 """The gloo worker for frozen expert weights kept quantized under expert parallelism (see
-``test_frozen_ep.py``): a PEFT LoRA model whose experts are loaded from a folder into FP8 or MXFP4,
-sharded, against the same model on one process."""
+``test_frozen_ep.py``): a PEFT LoRA model whose experts are loaded from a folder into FP8, MXFP4 or
+NF4, sharded, against the same model on one process."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def check_frozen_lora(rank: int, world: int, case: Case, folders: Path) -> None:
             expected = theirs[name].stored()[key][first : first + local]
             start, stop = spans[key]
             rows = expected.shape[1]
-            assert (start, stop) == ((0, rows) if edp == 1 else (min(rows, rank // degree * -(-rows // edp)), stop))
+            chunk, index = -(-rows // edp), rank // degree  # torch.chunk's split over the edp axis
+            assert (start, stop) == (min(rows, index * chunk), min(rows, (index + 1) * chunk)), (tag, name, key)
             assert torch.equal(buffer.to_local(), expected[:, start:stop]), (tag, name, key)
             assert torch.equal(gathered[key], expected), (tag, name, key)
 
