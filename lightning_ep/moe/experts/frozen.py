@@ -168,15 +168,12 @@ class FrozenExpertWeight(nn.Module):
 
     def held_rows(self) -> dict[str, tuple[int, int]]:
         """Per buffer, the global range ``(start, stop)`` of its dim 1 held here."""
+        from lightning_ep.parallel.mesh import local_block
+
         spans = {}
         for name, buffer in self.named_buffers(recurse=False):
-            rows = buffer.shape[1]
-            if self._rows_mesh is None:
-                spans[name] = (0, rows)
-            else:
-                axis = self._rows_mesh[self._rows_axis]
-                chunk, index = -(-rows // axis.size()), axis.get_local_rank()  # torch.chunk's split, as Shard's
-                spans[name] = (min(rows, index * chunk), min(rows, (index + 1) * chunk))
+            local, offset = local_block(buffer, "FrozenExpertWeight", name)
+            spans[name] = (offset[1], offset[1] + local.shape[1])
         return spans
 
     def stored(self) -> dict[str, torch.Tensor]:
