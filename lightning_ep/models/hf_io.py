@@ -52,9 +52,10 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
 
     - per-expert keys (Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``) or fused ones, named and
       fused by transformers' conversion rules for the model (``hf_layout``);
-    - FP8 weights with per-block ``weight_scale_inv`` and MXFP4 experts (``*_blocks`` / ``*_scales``),
-      dequantized on the rank that owns the block into the model's dtype, at most ``CHUNK_BYTES`` of
-      rows at a time;
+    - FP8 weights with ``weight_scale_inv`` or ``weight_scale`` (per tensor, row, group or block) and
+      MXFP4 experts (``*_blocks`` / ``*_scales``), dequantized on the rank that owns the block into the
+      model's dtype, at most ``CHUNK_BYTES`` of rows at a time (other quantized formats are refused
+      by name: ``hf_stored.check_readable``);
     - weights transformers ignores for the architecture (multi-token-prediction layers, the class's
       ``_keys_to_ignore_on_load_unexpected``): skipped, and named in one warning on rank 0.
 
@@ -74,8 +75,9 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
     Raises:
         FileNotFoundError: ``folder`` is not a directory.
         ValueError: no safetensors weights in ``folder``; its ``config.json`` names another
-            ``model_type``; a weight is missing, has another shape, or belongs to no parameter;
-            scales that do not fit their weight; a parameter placed other than ``Shard``/``Replicate``.
+            ``model_type`` or a quantization this loader does not read; a weight is missing, has
+            another shape, or belongs to no parameter; scales that do not fit their weight; a
+            parameter placed other than ``Shard``/``Replicate``.
         RuntimeError: the model is still on the meta device.
     """
     folder = Path(folder)
@@ -295,7 +297,9 @@ def _raw_parts(source: Source, weight: FrozenExpertWeight) -> list[list[tuple[En
             part_rows = part.shape[-2]
             if weight.format == "fp8":
                 aligned = row0 % weight.block[0] == 0 and (part_rows % weight.block[0] == 0 or part is parts[-1])
-                if not (isinstance(part, BlockFP8) and _same_grid(part, weight.block) and aligned):
+                if not (isinstance(part, BlockFP8) and part.data.dtype == "F8_E4M3"):  # the bytes the weight keeps
+                    return None
+                if not (_same_grid(part, weight.block) and aligned):
                     return None
             elif not (weight.format == "mxfp4" and isinstance(part, MXFP4) and isinstance(source, Whole)):
                 return None  # (NF4 is always quantized on load: no release ships it)
@@ -308,13 +312,12 @@ def _raw_parts(source: Source, weight: FrozenExpertWeight) -> list[list[tuple[En
 
 
 def _same_grid(part: BlockFP8, block: tuple[int, int]) -> bool:
-    """Whether ``part``'s scales form ``block``'s grid over it (one scale for a part within one block
-    does), one grid per expert."""
-    if len(part.scale.shape) not in (len(part.shape), 0) and math.prod(part.scale.shape) != 1:
+    """Whether each of ``block``'s blocks over a matrix of ``part`` lies within one of ``part``'s scale
+    blocks (the same grid, a coarser one, or one scale for the matrix), so that its scales carry over."""
+    single = math.prod(part.scale.shape) == 1
+    if len(part.shape) == 3 and len(part.scale.shape) != 3 and not single:  # a grid per expert is needed
         return False
-    if len(part.shape) == 3 and len(part.scale.shape) != 3:  # a fused tensor needs a grid per expert
-        return False
-    return part.block == block or (part.block == part.shape[-2:] and all(map(int.__le__, part.block, block)))
+    return all(p % b == 0 or p >= n for p, b, n in zip(part.block, block, part.shape[-2:]))
 
 
 def _copy_raw(
@@ -330,12 +333,19 @@ def _copy_raw(
         if lo < hi:
             data = opener.read(part.data, (*lead, slice(lo - row0, hi - row0), slice(0, weight.shape[2])))
             held["data"][local, lo - a : hi - a] = data.reshape(hi - lo, -1).view(torch.uint8)
-        grid0, grid_rows = row0 // weight.block[0], -(-rows // weight.block[0])
+        (br, bc), (pbr, pbc) = weight.block, part.block
+        grid0, grid_rows = row0 // br, -(-rows // br)
         lo, hi = max(g0, grid0), min(g1, grid0 + grid_rows)
         if lo < hi:
-            scale = opener.read(part.scale, (*lead, *(slice(0, n) for n in part.scale.shape[len(lead) :])))
-            grid = scale_values(scale).reshape(grid_rows, -1)
-            held["scale_inv"][local, lo - g0 : hi - g0] = grid[lo - grid0 : hi - grid0]
+            if math.prod(part.scale.shape) == 1:
+                scale = opener.read(part.scale, tuple(slice(0, n) for n in part.scale.shape)).reshape(1, 1)
+            else:
+                box = (*lead, *(slice(0, n) for n in part.scale.shape[len(lead) :]))
+                scale = opener.read(part.scale, box).reshape(-(-rows // pbr), -1)
+            # The part's scale block holding each of this weight's blocks (the same grid, or a coarser one).
+            at_rows = torch.arange(lo - grid0, hi - grid0) * br // pbr
+            at_cols = torch.arange(held["scale_inv"].shape[-1]) * bc // pbc
+            held["scale_inv"][local, lo - g0 : hi - g0] = scale_values(scale)[at_rows][:, at_cols]
     else:
         assert isinstance(part, MXFP4)
         a, b = spans["blocks"]  # the output features held here, dim 1 of both

@@ -6,10 +6,11 @@ Resolved from the folder's safetensors headers alone (no tensor data is read):
   (``get_model_conversion_mapping``): its renamings (Mixtral's ``block_sparse_moe`` -> ``mlp``) and
   its converters that stack per-expert matrices (``MergeModulelist(dim=0)``) and concatenate gate
   and up (``Concatenate(dim=1)``).
-- **Encodings** (``hf_stored``): plain, block-scaled FP8, MXFP4.
+- **Encodings** (``hf_stored``): plain, scaled FP8 (per tensor, row, group or block), MXFP4; a
+  folder quantized otherwise (GPTQ, AWQ, bitsandbytes, packed int4 or NVFP4) is refused by name.
 - **Keys the model does not use** and transformers ignores: multi-token-prediction layers past
   ``num_hidden_layers`` (DeepSeek-V3, GLM-4.5/4.6), the class's ``_keys_to_ignore_on_load_unexpected``,
-  and a static FP8 scheme's activation scales.
+  and a static FP8 scheme's activation and KV-cache scales.
 
 The result maps every state-dict name to a ``Whole`` stored tensor or to ``Stacked`` per-expert
 parts; ``hf_io.load_pretrained_sharded`` reads from it only the blocks a rank holds.
@@ -25,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_ep.models.hf_stored import Encoded, encode, quantization_config, stored_tensors
+from lightning_ep.models.hf_stored import Encoded, check_readable, encode, quantization_config, stored_tensors
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,9 @@ def layout(hf_model: nn.Module, folder: Path, names: Iterable[str]) -> FolderLay
     ``ValueError`` for a folder without safetensors weights, scales that do not fit their weight, a
     conversion this loader does not apply, or per-expert parts with gaps."""
     wanted = dict.fromkeys(names)
-    encoded, activation_scales = encode(stored_tensors(folder), quantization_config(folder))
+    quant = quantization_config(folder)
+    check_readable(quant, folder)
+    encoded, activation_scales = encode(stored_tensors(folder), quant)
     rules = _Rules.of(hf_model)
     result = FolderLayout(folder, {})
     if activation_scales:

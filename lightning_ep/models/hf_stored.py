@@ -1,5 +1,11 @@
 """How a Hugging Face folder stores its tensors (``Stored``), read one block at a time (``Opener``),
-and their encodings (``Plain``, ``BlockFP8``, ``MXFP4``; the formats are in ``moe.quantized``)."""
+and their encodings (``Plain``, ``BlockFP8``, ``MXFP4``; the formats are in ``moe.quantized``).
+
+The quantized folders read (``check_readable`` refuses the others before any tensor is read):
+``quant_method`` ``"fp8"`` (transformers' block-scaled ``weight_scale_inv``, or AutoFP8's per-tensor
+``weight_scale``), ``"mxfp4"``, ``"fbgemm_fp8"`` (per-row ``weight_scale``), ``"modelopt"`` with
+``quant_algo`` ``"FP8"``, and ``"compressed-tensors"`` whose weights are 8-bit floats
+(``float-quantized``: per tensor, channel, group or block)."""
 
 from __future__ import annotations
 
@@ -16,10 +22,15 @@ from lightning_ep.moe.quantized import MXFP4_GROUP, dequantize_fp8_block, dequan
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-FP8_SCALE = "_scale_inv"  # a weight `x.weight` has its scales at `x.weight_scale_inv`
+# An FP8 weight `x.weight` has its scales at `x.weight_scale_inv` (transformers, DeepSeek-V3) or at
+# `x.weight_scale` (compressed-tensors, AutoFP8, ModelOpt, FBGEMM); both multiply the stored values.
+FP8_SCALES = ("_scale_inv", "_scale")
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
-# Static-FP8 companions of a weight that a dequantized model has no use for.
-ACTIVATION_SCALES = (".input_scale", ".activation_scale")
+# Static-FP8 companions that a dequantized model has no use for: activation and KV-cache scales.
+ACTIVATION_SCALES = (".input_scale", ".activation_scale", ".output_scale", ".k_scale", ".v_scale", ".kv_scale")
+# Weights in 8-bit floats, in the compressed-tensors formats that store them unpacked.
+FLOAT8_FORMATS = ("float-quantized", "naive-quantized")
 
 
 @dataclass(frozen=True)
@@ -101,8 +112,15 @@ class BlockFP8:
     def read(self, opener: Opener, box: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
         (br, bc), rows, cols = self.block, box[-2], box[-1]
         values = opener.read(self.data, box)
-        grid = (*box[:-2], slice(rows.start // br, -(-rows.stop // br)), slice(cols.start // bc, -(-cols.stop // bc)))
-        scale = opener.read(self.scale, grid)
+        if math.prod(self.scale.shape) == 1:  # one scale for the tensor, stored as a scalar or [1]
+            scale = opener.read(self.scale, tuple(slice(0, n) for n in self.scale.shape))
+        else:
+            grid = (
+                *box[:-2],
+                slice(rows.start // br, -(-rows.stop // br)),
+                slice(cols.start // bc, -(-cols.stop // bc)),
+            )
+            scale = opener.read(self.scale, grid)
         return dequantize_fp8_block(values, scale, self.block, (rows.start, cols.start), dtype)
 
 
@@ -165,32 +183,102 @@ def quantization_config(folder: Path) -> dict[str, Any]:
     return dict(json.loads(config_file.read_text()).get("quantization_config") or {})
 
 
+def check_readable(quant: Mapping[str, Any], folder: Path) -> None:
+    """``ValueError`` naming the format when ``quant`` (a folder's ``quantization_config``) stores
+    weights in a format this loader does not read (see the module docstring)."""
+    method = quant.get("quant_method")
+    if method is None or method in ("fp8", "mxfp4", "fbgemm_fp8"):
+        return
+    detail = None
+    if method == "modelopt":
+        algo = quant.get("quant_algo")
+        detail = None if str(algo).upper() == "FP8" else f"quant_algo={algo!r}"
+    elif method == "compressed-tensors":
+        for name, group in (quant.get("config_groups") or {}).items():
+            weights, form = group.get("weights") or {}, group.get("format") or quant.get("format")
+            if weights and (
+                weights.get("type") != "float" or weights.get("num_bits") != 8 or form not in FLOAT8_FORMATS
+            ):
+                detail = (
+                    f"config group {name!r}: {weights.get('num_bits')}-bit {weights.get('type')} weights, "
+                    f"format {form!r}"
+                )
+                break
+        sparsity = (quant.get("sparsity_config") or {}).get("format")
+        if detail is None and sparsity not in (None, "dense"):
+            detail = f"sparsity format {sparsity!r}"
+    else:
+        detail = ""
+    if detail is None:
+        return
+    raise ValueError(
+        f"load_pretrained_sharded: {folder} is quantized with quant_method={method!r}"
+        + (f" ({detail})" if detail else "")
+        + ", which this loader does not read: it reads FP8 weights (weight_scale_inv or weight_scale: per "
+        "tensor, row, group or block) and MXFP4 experts. Start from the publisher's bf16 or FP8 release; to "
+        "hold the experts in 4 bits while LoRA trains, load it with "
+        "ExpertParallelStrategy(frozen_experts='nf4') (or 'mxfp4')."
+    )
+
+
+def fp8_blocks(quant: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """The block sizes ``quant`` names for FP8 scales: ``weight_block_size``, or compressed-tensors'
+    ``block_structure`` and ``group_size`` (a group is a ``1 x group_size`` block)."""
+    blocks = []
+    if quant.get("weight_block_size"):
+        blocks.append(quant["weight_block_size"])
+    for group in (quant.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("strategy") == "block" and weights.get("block_structure"):
+            blocks.append(weights["block_structure"])
+        elif weights.get("strategy") == "group" and weights.get("group_size"):
+            blocks.append([1, weights["group_size"]])
+    return [(int(b[0]), int(b[1])) for b in blocks]
+
+
 def encode(tensors: Mapping[str, Stored], quant: Mapping[str, Any]) -> tuple[dict[str, Encoded], list[str]]:
     """The folder's tensors as logical values, each weight with its scales under the weight's key
-    (``x.weight`` for ``x.weight`` + ``x.weight_scale_inv``), and the unused static activation scales."""
+    (``x.weight`` for ``x.weight`` + ``x.weight_scale_inv`` or ``x.weight_scale``), and the unused
+    static activation scales."""
     encoded: dict[str, Encoded] = {}
     activation_scales: list[str] = []
-    block = quant.get("weight_block_size")
+    blocks = fp8_blocks(quant)
     for key, stored in tensors.items():
-        if key.endswith(FP8_SCALE) and key[: -len(FP8_SCALE)] in tensors:
+        if _fp8_scale_of(key, tensors) is not None:
             continue  # read with its weight
         if key.endswith(MXFP4_SCALES) and key[: -len(MXFP4_SCALES)] + MXFP4_BLOCKS in tensors:
             continue
-        if key.endswith(ACTIVATION_SCALES) and quant.get("quant_method") == "fp8":
+        scale = next((tensors[key + s] for s in FP8_SCALES if key + s in tensors), None)
+        if key.endswith(ACTIVATION_SCALES) and quant:
             activation_scales.append(key)
         elif key.endswith(MXFP4_BLOCKS) and key[: -len(MXFP4_BLOCKS)] + MXFP4_SCALES in tensors:
             base = key[: -len(MXFP4_BLOCKS)]
             encoded[base] = MXFP4(stored, tensors[base + MXFP4_SCALES])
-        elif key + FP8_SCALE in tensors:
-            scale = tensors[key + FP8_SCALE]
-            encoded[key] = BlockFP8(stored, scale, _fp8_block(stored, scale, block))
+        elif scale is not None and stored.dtype in FP8_DTYPES:
+            encoded[key] = BlockFP8(stored, scale, _fp8_block(stored, scale, blocks))
+        elif scale is not None:
+            raise ValueError(
+                f"load_pretrained_sharded: {key!r} is stored as {stored.dtype} with scales {scale.key!r}: a "
+                f"quantized format this loader does not read (quant_method={quant.get('quant_method')!r}); it "
+                "reads scaled weights stored in FP8 (F8_E4M3). Start from the publisher's bf16 or FP8 release."
+            )
         else:
             encoded[key] = Plain(stored)
     return encoded, activation_scales
 
 
-def _fp8_block(weight: Stored, scale: Stored, block: Any) -> tuple[int, int]:
-    """The rows and columns one scale covers, checked against the stored grid."""
+def _fp8_scale_of(key: str, tensors: Mapping[str, Stored]) -> str | None:
+    """The FP8 weight whose scales ``key`` holds, or ``None``."""
+    for suffix in FP8_SCALES:
+        if key.endswith(suffix) and key[: -len(suffix)] in tensors:
+            return key[: -len(suffix)]
+    return None
+
+
+def _fp8_block(weight: Stored, scale: Stored, blocks: list[tuple[int, int]]) -> tuple[int, int]:
+    """The rows and columns one scale covers: the whole matrix for one scale (per tensor, or per
+    matrix of a stacked tensor), a block of ``blocks`` (the folder's configured sizes) whose grid the
+    scales form, or ``1 x cols`` for one scale per row; checked against the stored grid."""
     if len(weight.shape) < 2:
         raise ValueError(
             f"load_pretrained_sharded: {weight.key!r} {list(weight.shape)} has scales {scale.key!r} but is not a "
@@ -199,21 +287,25 @@ def _fp8_block(weight: Stored, scale: Stored, block: Any) -> tuple[int, int]:
     rows, cols = weight.shape[-2:]
     if math.prod(scale.shape) == 1:  # one scale for the whole tensor
         return rows, cols
-    if block is None:
+
+    def grid(block: tuple[int, int]) -> tuple[int, ...]:
+        return (*weight.shape[:-2], -(-rows // block[0]), -(-cols // block[1]))
+
+    for block in [*blocks, (rows, cols), (1, cols)]:
+        if tuple(scale.shape) == grid(block):
+            return block
+    if not blocks:
         raise ValueError(
             f"load_pretrained_sharded: {weight.key!r} has block scales {list(scale.shape)} but the folder's "
             "config.json has no quantization_config.weight_block_size; add the block size the weights were "
             'quantized with, e.g. "weight_block_size": [128, 128].'
         )
-    br, bc = (int(b) for b in block)
-    grid = (*weight.shape[:-2], -(-rows // br), -(-cols // bc))
-    if tuple(scale.shape) != grid:
-        raise ValueError(
-            f"load_pretrained_sharded: {scale.key!r} is {list(scale.shape)} but {weight.key!r} "
-            f"{list(weight.shape)} in blocks of {[br, bc]} needs a grid of {list(grid)}; the scales do not belong "
-            "to this weight or weight_block_size is wrong."
-        )
-    return br, bc
+    br, bc = blocks[0]
+    raise ValueError(
+        f"load_pretrained_sharded: {scale.key!r} is {list(scale.shape)} but {weight.key!r} "
+        f"{list(weight.shape)} in blocks of {[br, bc]} needs a grid of {list(grid((br, bc)))}; the scales do not "
+        "belong to this weight or weight_block_size is wrong."
+    )
 
 
 __all__ = [
@@ -223,7 +315,9 @@ __all__ = [
     "Opener",
     "Plain",
     "Stored",
+    "check_readable",
     "encode",
+    "fp8_blocks",
     "quantization_config",
     "stored_tensors",
 ]

@@ -44,12 +44,12 @@ def from_pretrained(folder: str | Path, **config_overrides: Any) -> nn.Module:
 
 
 def published_fp8_block(model: nn.Module) -> tuple[int, int]:
-    """The FP8 block (``weight_block_size``) of the folder ``model`` is marked to load from, when that
-    folder ships FP8 weights; else ``moe.quantized.FP8_BLOCK``."""
-    from lightning_ep.models.hf_stored import quantization_config
+    """The FP8 block of the folder ``model`` is marked to load from, when that folder ships block- or
+    group-scaled FP8 weights (``weight_block_size``, or compressed-tensors' ``block_structure`` /
+    ``group_size``); else ``moe.quantized.FP8_BLOCK`` (which also holds per-tensor scales exactly)."""
+    from lightning_ep.models.hf_stored import fp8_blocks, quantization_config
     from lightning_ep.moe.quantized import FP8_BLOCK
 
     folder = getattr(model, PRETRAINED_ATTR, None)
-    quant = quantization_config(Path(folder)) if folder is not None else {}
-    block = quant.get("weight_block_size") if quant.get("quant_method") == "fp8" else None
-    return (int(block[0]), int(block[1])) if block else FP8_BLOCK
+    blocks = fp8_blocks(quantization_config(Path(folder))) if folder is not None else []
+    return blocks[0] if blocks else FP8_BLOCK

@@ -1,9 +1,12 @@
 """The quantized weight formats that publishers ship, dequantized one block of a tensor at a time.
 
-- **FP8, block-scaled** (DeepSeek-V3/R1; transformers' ``FineGrainedFP8Config``): a
-  ``float8_e4m3fn`` weight ``[..., R, C]`` beside ``weight_scale_inv [..., ceil(R/br), ceil(C/bc)]``,
+- **FP8, block-scaled** (DeepSeek-V3/R1, Qwen3's FP8 releases; transformers' ``FineGrainedFP8Config``):
+  a ``float8_e4m3fn`` weight ``[..., R, C]`` beside ``weight_scale_inv [..., ceil(R/br), ceil(C/bc)]``,
   one scale per ``br x bc`` block (``weight_block_size``; the last blocks may be partial). The value
-  is ``w[r, c] * scale_inv[r // br, c // bc]``; scales are fp32/bf16 or E8M0 exponents.
+  is ``w[r, c] * scale_inv[r // br, c // bc]``; scales are fp32/bf16 or E8M0 exponents. The same
+  formula serves the FP8 weights that llm-compressor (``compressed-tensors``), AutoFP8, ModelOpt and
+  FBGEMM write with a ``weight_scale`` (a multiplier despite the name): one scale per tensor (the
+  block is the whole matrix), per output row (blocks of ``1 x C``), per group or per block.
 - **MXFP4** (GPT-OSS's experts; ``Mxfp4Config``): ``<name>_blocks uint8 [..., out, G, 16]``, two
   E2M1 values per byte (low nibble first), and ``<name>_scales uint8 [..., out, G]``, one E8M0
   exponent per 32 values; transformers keeps the result transposed, ``[..., in, out]``.
@@ -69,9 +72,13 @@ def dequantize_fp8_block(
     """
     (br, bc), (r0, c0) = block, first
     rows, cols = weight.shape[-2:]
-    scale = scale_values(scale_inv).repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)
-    top, left = r0 - (r0 // br) * br, c0 - (c0 // bc) * bc
-    scale = scale[..., top : top + rows, left : left + cols]
+    scale = scale_values(scale_inv)
+    if scale.numel() == 1:  # one scale for the whole tensor, stored as a scalar or [1]
+        scale = scale.reshape([1] * weight.ndim)
+    device = scale.device
+    row_block = torch.arange(r0, r0 + rows, device=device) // br - r0 // br  # each row's scale row in the slice
+    col_block = torch.arange(c0, c0 + cols, device=device) // bc - c0 // bc
+    scale = scale.index_select(-2, row_block).index_select(-1, col_block)
     return (weight.to(torch.float32) * scale).to(dtype)
 
 

@@ -5,6 +5,13 @@
   powers of two), partial last blocks where a dimension is not a multiple of the block;
   embeddings, norms, routers and the head stay as they are; ``quantization_config`` as the
   release writes it. Per-expert keys come from ``save_pretrained`` (transformers' own split).
+- ``write_compressed_fp8``: llm-compressor's FP8 schemes (compressed-tensors' ``float-quantized``
+  format, as RedHatAI's ``*-FP8-dynamic`` / ``*-FP8-BLOCK`` releases ship): each linear weight of the
+  decoder layers but the router in ``float8_e4m3fn`` with a bf16 ``weight_scale`` (a multiplier) per
+  tensor ``[1]``, per output row ``[R, 1]``, per group of columns or per block.
+- ``write_autofp8``: AutoFP8's static per-tensor layout (neuralmagic's Mixtral-8x7B-Instruct-v0.1-FP8):
+  scalar fp32 ``weight_scale`` and ``input_scale`` beside each FP8 weight, ``quant_method: "fp8"``
+  without ``weight_block_size``.
 - ``write_mxfp4``: GPT-OSS's release format: the experts as ``*_blocks`` (two E2M1 values per
   byte, low nibble first) and ``*_scales`` (E8M0 per 32 values), ``[E, out, in/32, 16]``.
 - ``add_mtp_layer``: the multi-token-prediction layer DeepSeek-V3 and GLM-4.5 ship as
@@ -133,6 +140,98 @@ def write_fp8(
 
 
 # --------------------------------------------------------------------------------------------
+# FP8 with a weight_scale: llm-compressor (compressed-tensors) and AutoFP8
+# --------------------------------------------------------------------------------------------
+
+SCHEME_SCALES = ("tensor", "channel", "group", "block")
+
+
+def scheme_block(strategy: str, shape: tuple[int, int], group: int, block: tuple[int, int]) -> tuple[int, int]:
+    """The rows and columns one scale covers under an llm-compressor weight strategy."""
+    rows, cols = shape
+    return {"tensor": (rows, cols), "channel": (1, cols), "group": (1, group), "block": block}[strategy]
+
+
+def fp8_scaled(w: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [R, C]`` in ``float8_e4m3fn`` and its scales (amax / 448 per block, rounded to ``scale_dtype``
+    before dividing, as a checkpoint's values are computed from its stored scale)."""
+    (rows, cols), (br, bc) = w.shape, block
+    scale = torch.empty(math.ceil(rows / br), math.ceil(cols / bc), dtype=scale_dtype)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = w[i * br : (i + 1) * br, j * bc : (j + 1) * bc].float()
+            scale[i, j] = max(float(tile.abs().max()), 1e-8) / FP8_MAX
+            q[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = (tile / float(scale[i, j])).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def write_compressed_fp8(
+    model: nn.Module,
+    folder: Path,
+    strategy: str,
+    *,
+    group: int = 16,
+    block: tuple[int, int] = (16, 16),
+    shards: int = 2,
+) -> Path:
+    """``model`` saved as llm-compressor saves an FP8 scheme (see the module docstring): the scales
+    are ``[1]`` per tensor, else the grid of ``scheme_block``; ``quantization_config`` as llm-compressor
+    writes it, the head and the router left in bf16 (``ignore``). Returns ``folder``."""
+    model.save_pretrained(folder)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in read_folder(folder).items():
+        if _fp8_target(key, tensor):
+            q, scale = fp8_scaled(tensor, scheme_block(strategy, tensor.shape, group, block), torch.bfloat16)
+            out[key], out[key + "_scale"] = q, scale.reshape(1) if strategy == "tensor" else scale
+        else:
+            out[key] = tensor.to(torch.bfloat16)
+    write_shards(out, folder, shards)
+    weights = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": False,
+        "strategy": strategy,
+        "group_size": group if strategy == "group" else None,
+        "block_structure": list(block) if strategy == "block" else None,
+        "observer": "minmax",
+        "actorder": None,
+        "observer_kwargs": {},
+    }
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
+        "ignore": ["lm_head", "re:.*gate$"],
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "version": "0.10.2",
+    }
+    edit_config(folder, quantization_config=quant)
+    return folder
+
+
+def write_autofp8(model: nn.Module, folder: Path, *, shards: int = 2) -> Path:
+    """``model`` saved in AutoFP8's static per-tensor layout (see the module docstring)."""
+    model.save_pretrained(folder)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in read_folder(folder).items():
+        if _fp8_target(key, tensor):
+            q, scale = fp8_scaled(tensor, tuple(tensor.shape), torch.float32)
+            out[key], out[key + "_scale"] = q, scale.reshape(())
+            out[key.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)
+        else:
+            out[key] = tensor.to(torch.bfloat16)
+    write_shards(out, folder, shards)
+    quant = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+    edit_config(folder, quantization_config=quant)
+    return folder
+
+
+# --------------------------------------------------------------------------------------------
 # MXFP4 (GPT-OSS experts)
 # --------------------------------------------------------------------------------------------
 
@@ -225,15 +324,25 @@ def add_mtp_layer(model: nn.Module, folder: Path) -> Path:
 def dequantized_by_hand(folder: Path) -> dict[str, torch.Tensor]:
     """The folder's tensors in fp32 under their stored names (``*_blocks`` -> their base name,
     transposed to ``[E, in, out]``), dequantized by the loops above; scales dropped."""
-    config = json.loads((folder / "config.json").read_text())
-    block = tuple(config.get("quantization_config", {}).get("weight_block_size", (0, 0)))
+    quant = json.loads((folder / "config.json").read_text()).get("quantization_config", {})
+    weights = quant.get("config_groups", {}).get("group_0", {}).get("weights", {})
     state = read_folder(folder)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
-        if key.endswith(("_scale_inv", "_scales")):
+        if key.endswith(("_scale_inv", "_scales", "_scale")):
             continue
-        if key + "_scale_inv" in state:
-            out[key] = fp8_dequantize_by_hand(tensor, state[key + "_scale_inv"], block)  # type: ignore[arg-type]
+        scale = state.get(key + "_scale_inv", state.get(key + "_scale"))
+        if scale is not None:
+            rows, cols = tensor.shape
+            if scale.numel() == 1:
+                block = (rows, cols)
+            elif weights:
+                block = scheme_block(
+                    weights["strategy"], (rows, cols), weights["group_size"], weights["block_structure"]
+                )
+            else:
+                block = tuple(quant["weight_block_size"])
+            out[key] = fp8_dequantize_by_hand(tensor, scale.reshape(-(-rows // block[0]), -1), block)  # type: ignore[arg-type]
         elif key.endswith("_blocks"):
             base = key[: -len("_blocks")]
             out[base] = mxfp4_dequantize_by_hand(tensor, state[base + "_scales"]).transpose(1, 2).contiguous()

@@ -7,9 +7,10 @@ adapters on attention), their base weights read by ``load_pretrained_sharded``:
   quantizes its 4 experts) and at degree 1 (each rank holds half of every expert's rows, as FSDP2
   holds half of its LoRA factors, and quantizes the whole FP8 blocks covering them; blocks of 24 rows
   straddle the two ranks' halves);
-- from an FP8 folder (DeepSeek-V3's layout, blocks of 16) and an MXFP4 one (GPT-OSS's), each rank's
-  rows of the published bytes copied as they are; the MXFP4 one into NF4, dequantized and quantized
-  again on the rank that holds the rows.
+- from an FP8 folder (DeepSeek-V3's layout, blocks of 16; AutoFP8's, one scale per expert matrix
+  spread over blocks of 16) and an MXFP4 one (GPT-OSS's), each rank's rows of the published bytes
+  copied as they are; the MXFP4 one into NF4, dequantized and quantized again on the rank that holds
+  the rows.
 
 Every rank's bytes equal the one-process model's rows it holds, its gathered experts equal the
 one-process model's whole, and the loss and every LoRA gradient equal the one-process model's fed
@@ -28,7 +29,7 @@ from families_workers import tiny_family
 from frozen_workers import GPT_OSS, run_frozen, run_initialised, run_resharded
 from harness import spawn
 from lora_workers import tiny_base
-from published import write_fp8, write_mxfp4
+from published import write_autofp8, write_fp8, write_mxfp4
 
 pytestmark = pytest.mark.distributed
 
@@ -38,6 +39,7 @@ BLOCK = (128, 128)
 def _folders(root: Path) -> Path:
     tiny_base("mixtral").to(torch.bfloat16).save_pretrained(root / "bf16")
     write_fp8(tiny_base("mixtral"), root / "fp8", block=(16, 16))
+    write_autofp8(tiny_base("mixtral"), root / "autofp8")
     write_mxfp4(tiny_family("gpt_oss", **GPT_OSS), root / "mxfp4")
     return root
 
@@ -50,6 +52,7 @@ def test_frozen_experts_on_2_processes(tmp_path: Path) -> None:
         ("mixtral", "fp8", 1, "bf16", (24, 24)),
         ("mixtral", "mxfp4", 1, "bf16", BLOCK),
         ("mixtral", "fp8", 1, "fp8", (16, 16)),
+        ("mixtral", "fp8", 1, "autofp8", (16, 16)),
         ("gpt_oss", "mxfp4", 1, "mxfp4", BLOCK),
         ("gpt_oss", "nf4", 1, "mxfp4", BLOCK),
     ]

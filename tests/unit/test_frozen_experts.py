@@ -45,7 +45,15 @@ from lightning_ep.moe.quantized import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import micro_batch, tiny_family
 from lora_workers import lora_config, tiny_base, tiny_peft
-from published import fp8_dequantize_by_hand, mxfp4_dequantize_by_hand, read_folder, write_fp8, write_mxfp4
+from published import (
+    fp8_dequantize_by_hand,
+    mxfp4_dequantize_by_hand,
+    read_folder,
+    write_autofp8,
+    write_compressed_fp8,
+    write_fp8,
+    write_mxfp4,
+)
 
 CONFIG = MoEConfig(moe_load_balancing="none")
 
@@ -330,6 +338,81 @@ def test_fp8_folder_is_copied_byte_for_byte(tmp_path: Path, block: tuple[int, in
             assert torch.equal(values[e].to(torch.bfloat16).float(), expected), (name, e)
 
 
+MIXTRAL_PARTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+
+
+def mixtral_parts(stored: dict[str, torch.Tensor], name: str, expert: int, suffix: str = "") -> list[torch.Tensor]:
+    """The per-expert tensors of a Mixtral folder that make expert ``expert`` of the fused weight ``name``."""
+    layer, weight = name.split(".")[2], name.rpartition(".")[2]
+    prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
+    return [stored[f"{prefix}.{w}.weight{suffix}"] for w in MIXTRAL_PARTS[weight]]
+
+
+@pytest.mark.parametrize(
+    ("layout", "block"), [("autofp8", (16, 16)), ("autofp8", (32, 32)), ("tensor", (16, 16)), ("group", (1, 16))]
+)
+def test_fp8_folder_with_coarser_scales_is_copied_byte_for_byte(
+    tmp_path: Path, layout: str, block: tuple[int, int]
+) -> None:
+    """One scale per expert matrix (AutoFP8's scalar, compressed-tensors' [1]) holds over any grid of
+    blocks that tiles the matrix, and compressed-tensors' groups of 16 are blocks of 1 x 16 (the block
+    the strategy picks for such a folder): each block takes the scale covering it, no value changes."""
+    source = tiny_base("mixtral")
+    folder = (
+        write_autofp8(source, tmp_path / "fp8")
+        if layout == "autofp8"
+        else write_compressed_fp8(source, tmp_path / "fp8", layout, group=16)
+    )
+    stored = read_folder(folder)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*quantized otherwise")  # no requantization
+        warnings.filterwarnings("ignore", message=".*activation scales")
+        model = load_pretrained_sharded(_meta_frozen("mixtral", "fp8", block), folder)
+    weights = frozen_weights(model)
+    assert len(weights) == 4
+    for name, frozen in weights.items():
+        expected = []
+        for e in range(frozen.shape[0]):
+            values, scales = mixtral_parts(stored, name, e), mixtral_parts(stored, name, e, "_scale")
+            data = torch.cat(values).view(torch.uint8)
+            assert torch.equal(frozen.stored()["data"][e], data), (name, e)
+            grids = [  # each block's scale, by hand: the matrix's one scale, or its group's
+                s.float().reshape(1, 1).expand(-(-v.shape[0] // block[0]), -(-v.shape[1] // block[1]))
+                if s.numel() == 1
+                else s.float()
+                for v, s in zip(values, scales, strict=True)
+            ]
+            assert torch.equal(frozen.stored()["scale_inv"][e], torch.cat(grids)), (name, e)
+            expected.append(torch.cat([fp8_dequantize_by_hand(v, g, block) for v, g in zip(values, grids)]))
+        assert torch.equal(frozen.dequantize(torch.float32), torch.stack(expected)), name
+
+
+def test_a_per_row_fp8_folder_is_requantized_into_blocks(tmp_path: Path) -> None:
+    """compressed-tensors' per-row scales (FP8-dynamic releases) do not carry into blocks of rows: the
+    values are read exactly, quantized into blocks of 16 and the one warning says so."""
+    folder = write_compressed_fp8(tiny_base("mixtral"), tmp_path / "ct", "channel")
+    stored = read_folder(folder)
+    model = _meta_frozen("mixtral", "fp8", (16, 16))
+    with pytest.warns(
+        UserWarning, match=r"quantized otherwise than the model keeps them \(fp8, blocks of \[16, 16\]\)"
+    ):
+        load_pretrained_sharded(model, folder)
+    for name, frozen in frozen_weights(model).items():
+        exact = torch.stack(
+            [
+                torch.cat(
+                    [
+                        v.float() * s.float()
+                        for v, s in zip(mixtral_parts(stored, name, e), mixtral_parts(stored, name, e, "_scale"))
+                    ]
+                )
+                for e in range(frozen.shape[0])
+            ]
+        )
+        expected = FrozenExpertWeight("fp8", exact, block=(16, 16)).dequantize(torch.float32)
+        assert torch.equal(frozen.dequantize(torch.float32), expected), name
+
+
 def test_mxfp4_folder_is_copied_byte_for_byte_and_exports_dequantized(tmp_path: Path) -> None:
     source = tiny_family("gpt_oss")
     folder = write_mxfp4(source, tmp_path / "mxfp4")
@@ -438,6 +521,13 @@ def test_the_strategy_keeps_an_fp8_folder_s_own_blocks(tmp_path: Path) -> None:
     write_fp8(tiny_family("deepseek_v3"), tmp_path / "fp8", block=(16, 16))
     tiny_base("mixtral").save_pretrained(tmp_path / "plain")
     assert published_fp8_block(from_pretrained(tmp_path / "fp8")) == (16, 16)
+    # compressed-tensors' blocks and groups (a group is a block of one row); per-row and per-tensor
+    # scales name no block.
+    for strategy, block in [("block", (32, 32)), ("group", (1, 16)), ("channel", (128, 128)), ("tensor", (128, 128))]:
+        write_compressed_fp8(tiny_base("mixtral"), tmp_path / strategy, strategy, group=16, block=(32, 32))
+        assert published_fp8_block(from_pretrained(tmp_path / strategy)) == block, strategy
+    write_autofp8(tiny_base("mixtral"), tmp_path / "autofp8")
+    assert published_fp8_block(from_pretrained(tmp_path / "autofp8")) == (128, 128)
     assert published_fp8_block(from_pretrained(tmp_path / "plain")) == (128, 128)
     assert published_fp8_block(tiny_base("mixtral")) == (128, 128)
 

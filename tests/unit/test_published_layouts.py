@@ -2,14 +2,18 @@
 
 Every folder is built from a tiny random model of the family and laid out the way its publisher
 ships it (``tests/distributed/published.py``): per-expert keys in several shard files with an
-index, DeepSeek-V3's block-scaled FP8 (fp32 and E8M0 scales, partial last blocks), GPT-OSS's MXFP4
+index, DeepSeek-V3's block-scaled FP8 (fp32 and E8M0 scales, partial last blocks), llm-compressor's
+and AutoFP8's FP8 with a ``weight_scale`` (per tensor, row, group and block), GPT-OSS's MXFP4
 experts, and the multi-token-prediction layer of DeepSeek-V3 and GLM-4.5 (expert weights included).
 
 The reference is transformers' own ``from_pretrained`` of the same folder, dequantized, in fp32:
 every parameter is equal bit for bit (both dequantize with the same fp32 products) and so are the
 logits. Where a block does not divide a weight (DeepSeek-V3's 576-row ``kv_a_proj_with_mqa`` has
 5 scale rows of 128), transformers derives the block from the grid instead of the config and so
-refuses or misreads the folder; there the reference is a dequantization by loops over the blocks.
+refuses or misreads the folder; there, and for the FP8 layouts transformers does not dequantize
+(AutoFP8's, compressed-tensors' group and block scales), the reference is a dequantization by loops
+over the blocks. compressed-tensors' own decompression (through transformers) computes the dense
+weights' products in bf16, so it is compared in bf16: the correctly rounded fp32 products.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import nn
 import lightning_ep
 from lightning_ep import MoEConfig
 from lightning_ep.models.hf_io import export_hf, load_pretrained_sharded
+from lightning_ep.moe.experts.frozen import keep_frozen_experts
 from lightning_ep.moe.quantized import dequantize_fp8_block, dequantize_mxfp4
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
@@ -40,6 +45,8 @@ from published import (
     mxfp4_dequantize_by_hand,
     mxfp4_quantize,
     read_folder,
+    write_autofp8,
+    write_compressed_fp8,
     write_fp8,
     write_mxfp4,
     write_shards,
@@ -168,14 +175,17 @@ def test_fp8_partial_blocks_equal_a_hand_dequantization(tmp_path: Path, e8m0: bo
     scale = read_folder(folder)["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"]
     assert tuple(scale.shape) == (2, 4) and scale.dtype == (torch.float8_e8m0fnu if e8m0 else torch.float32)
     model = ours("deepseek_v3", folder)
-    by_hand = dequantized_by_hand(folder)
-    reference = tiny_family("deepseek_v3", seed=0)  # fused, from the hand-dequantized tensors
-    hand_folder = tmp_path / "hand"
-    reference.save_pretrained(hand_folder)
-    write_shards({k: v.contiguous() for k, v in by_hand.items()}, hand_folder, shards=1)
-    reference = transformers_load(hand_folder)
+    reference = by_hand_model(tiny_family("deepseek_v3", seed=0), folder, tmp_path / "hand")
     assert_same(model, reference)
     assert_same_logits(model, reference)
+
+
+def by_hand_model(like: nn.Module, folder: Path, hand_folder: Path) -> nn.Module:
+    """transformers' load (fused by its own rules) of ``folder``'s tensors dequantized by hand, saved
+    in ``hand_folder`` with the config of ``like`` (a model of the same family)."""
+    like.save_pretrained(hand_folder)
+    write_shards({k: v.contiguous() for k, v in dequantized_by_hand(folder).items()}, hand_folder, shards=1)
+    return transformers_load(hand_folder)
 
 
 def test_mixtral_fp8_per_expert(tmp_path: Path) -> None:
@@ -193,6 +203,72 @@ def tiny_family_mixtral(seed: int = 3) -> nn.Module:
     from conftest import tiny_mixtral
 
     return tiny_mixtral(seed=seed)
+
+
+def transformed(model: nn.Module) -> nn.Module:
+    return lightning_ep.transform(model, CONFIG)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "group", "block"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_llm_compressor_fp8_release(tmp_path: Path, model_type: str, strategy: str) -> None:
+    """compressed-tensors' FP8 (RedHatAI's FP8-dynamic releases are per row, FP8-BLOCK per block):
+    bf16 ``weight_scale`` multipliers, the router and head left in bf16, per-expert keys."""
+    build = tiny_family_mixtral if model_type == "mixtral" else lambda seed: tiny_family(model_type, seed=seed)
+    folder = write_compressed_fp8(build(seed=3), tmp_path / "ct", strategy, group=16, block=(16, 16))
+    stored = read_folder(folder)
+    expert = next(k for k in stored if ".experts.3." in k and k.endswith("_scale"))
+    assert stored[expert].dtype == torch.bfloat16 and stored[expert[: -len("_scale")]].dtype == torch.float8_e4m3fn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing in the folder goes unused
+        model = load_pretrained_sharded(transformed(build(seed=11)), folder).eval()
+    reference = by_hand_model(build(seed=0), folder, tmp_path / "hand")
+    assert_same(model, reference)
+    assert_same_logits(model, reference)
+    if strategy in ("tensor", "channel"):  # the scales compressed-tensors' own decompression handles for experts
+        from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
+            )
+        assert_same(copy.deepcopy(model).to(torch.bfloat16), theirs)
+
+
+def test_fp8_in_e5m2_is_read_as_e5m2(tmp_path: Path) -> None:
+    """E5M2 weights (a wider range, one mantissa bit less) dequantize by their own encoding, and are not
+    copied as e4m3 bytes into frozen FP8 experts: those are quantized again, with the one warning."""
+    folder = write_compressed_fp8(tiny_family_mixtral(), tmp_path / "mx", "channel")
+    stored = read_folder(folder)
+    write_shards(
+        {k: v.float().to(torch.float8_e5m2) if v.dtype == torch.float8_e4m3fn else v for k, v in stored.items()},
+        folder,
+        shards=1,
+    )
+    model = load_pretrained_sharded(transformed(tiny_family_mixtral(seed=4)), folder).eval()
+    reference = by_hand_model(tiny_family_mixtral(seed=0), folder, tmp_path / "hand")
+    assert_same(model, reference)
+    assert_same_logits(model, reference)
+    with torch.device("meta"):
+        meta = transformed(tiny_family_mixtral(seed=4).requires_grad_(False))
+    keep_frozen_experts(meta, "fp8", block=(1, 64))  # the folder's own per-row grid over 64 columns
+    with pytest.warns(UserWarning, match=r"quantized otherwise than the model keeps them \(fp8"):
+        load_pretrained_sharded(meta.to_empty(device="cpu"), folder)
+
+
+def test_autofp8_static_per_tensor_release(tmp_path: Path) -> None:
+    """AutoFP8's layout of neuralmagic's Mixtral-8x7B-Instruct-v0.1-FP8: a scalar ``weight_scale`` and a
+    static ``input_scale`` per weight; the activation scales are unused, and named once."""
+    folder = write_autofp8(tiny_family_mixtral(), tmp_path / "mx")
+    stored = read_folder(folder)
+    assert stored["model.layers.1.block_sparse_moe.experts.7.w2.weight_scale"].shape == ()
+    model = transformed(tiny_family_mixtral(seed=4))
+    with pytest.warns(UserWarning, match=r"\d+ static FP8 activation scales \(e\.g\. 'model\.layers\.0\."):
+        load_pretrained_sharded(model, folder)
+    reference = by_hand_model(tiny_family_mixtral(seed=0), folder, tmp_path / "hand")
+    assert_same(model.eval(), reference)
+    assert_same_logits(model, reference)
 
 
 def test_gpt_oss_mxfp4_release(tmp_path: Path) -> None:
@@ -298,6 +374,55 @@ def test_a_key_of_no_parameter_still_fails(tmp_path: Path) -> None:
     write_shards(state, mixtral, shards=1)
     with pytest.raises(ValueError, match=r"match no parameter .*'model\.layers\.2\.input_layernorm\.weight'"):
         load_pretrained_sharded(lightning_ep.transform(tiny_family_mixtral(seed=4), CONFIG), mixtral)
+
+
+def _compressed(num_bits: int, kind: str, form: str) -> dict[str, object]:
+    weights = {"num_bits": num_bits, "type": kind, "strategy": "group", "group_size": 128, "symmetric": True}
+    return {"quant_method": "compressed-tensors", "format": form, "config_groups": {"group_0": {"weights": weights}}}
+
+
+@pytest.mark.parametrize(
+    ("quant", "named"),
+    [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, r"quant_method='gptq'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method='bitsandbytes'"),
+        (
+            _compressed(4, "int", "pack-quantized"),
+            r"quant_method='compressed-tensors' \(config group 'group_0': "
+            r"4-bit int weights, format 'pack-quantized'\)",
+        ),
+        (_compressed(4, "float", "nvfp4-pack-quantized"), r"4-bit float weights, format 'nvfp4-pack-quantized'\)"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, r"quant_method='modelopt' \(quant_algo='NVFP4'\)"),
+    ],
+)
+def test_a_folder_quantized_in_a_format_it_cannot_read_is_refused_by_name(
+    tmp_path: Path, quant: dict[str, object], named: str
+) -> None:
+    """GPTQ, bitsandbytes, packed int4 and NVFP4 releases are refused before any tensor is read, with
+    the format named and the way on, not as weights of another model."""
+    folder = tmp_path / "mx"
+    tiny_family_mixtral().save_pretrained(folder)
+    edit_config(folder, quantization_config=quant)
+    with pytest.raises(
+        ValueError,
+        match=named + r", which this loader does not read: it reads FP8 weights .*"
+        r"ExpertParallelStrategy\(frozen_experts='nf4'\)",
+    ):
+        load_pretrained_sharded(transformed(tiny_family_mixtral(seed=4)), folder)
+    # A scaled weight stored other than in FP8 (NVFP4's packed bytes) is refused even where config.json
+    # does not say so.
+    edit_config(folder, quantization_config={"quant_method": "fp8"})
+    state = read_folder(folder)
+    key = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    state[key] = torch.zeros(32, 32, dtype=torch.uint8)
+    state[key + "_scale"] = torch.ones(32, 4, dtype=torch.float8_e4m3fn)
+    write_shards(state, folder, shards=1)
+    with pytest.raises(
+        ValueError,
+        match=r"'model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\.weight' is stored "
+        r"as U8 with scales .*: a quantized format this loader does not read",
+    ):
+        load_pretrained_sharded(transformed(tiny_family_mixtral(seed=4)), folder)
 
 
 def test_fp8_scale_errors(tmp_path: Path) -> None:
