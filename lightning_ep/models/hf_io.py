@@ -24,9 +24,9 @@ from torch import nn
 
 from lightning_ep.models.hf_export import LIBRARY_BUFFERS, PathLike, detect_prefix, export_hf
 from lightning_ep.models.hf_layout import FolderLayout, Source, Stacked, Whole, layout, source_keys, source_shape
-from lightning_ep.models.hf_stored import MXFP4, BlockFP8, Encoded, Opener
+from lightning_ep.models.hf_stored import BNB4, MXFP4, BlockFP8, Encoded, Opener
 from lightning_ep.moe.experts.frozen import FrozenExpertWeight
-from lightning_ep.moe.quantized import scale_values
+from lightning_ep.moe.quantized import NF4_GROUP, NF4_VALUES, nibbles_swapped, scale_values
 from lightning_ep.parallel.mesh import local_block
 
 # Rows of a block dequantized and copied at a time: bounds the transient fp32 copy of a large block.
@@ -225,10 +225,10 @@ def _plan_experts(
 
 
 def _plan_frozen(name: str, weight: FrozenExpertWeight, found: FolderLayout) -> tuple[Callable[[Opener], None], bool]:
-    """The load of this rank's experts of a frozen weight kept quantized: the folder's FP8 blocks or
-    MXFP4 bytes copied as they are when they are in the weight's format, else each expert read in fp32
-    (dequantized if stored so) and quantized, one expert at a time; and whether the folder stored them
-    quantized otherwise (so that their values change)."""
+    """The load of this rank's experts of a frozen weight kept quantized: the folder's FP8 blocks, MXFP4
+    bytes or bitsandbytes NF4 bytes (nibbles swapped) copied as they are when they are in the weight's
+    format, else each expert read in fp32 (dequantized if stored so) and quantized, one expert at a
+    time; and whether the folder stored them quantized otherwise (so that their values change)."""
     source = found.sources.get(name)
     if source is None:
         raise ValueError(
@@ -273,7 +273,7 @@ def _plan_frozen(name: str, weight: FrozenExpertWeight, found: FolderLayout) -> 
             weight.store_(buffer, e)
 
     parts = [source.source] if isinstance(source, Whole) else [p for parts in source.parts for p in parts]
-    return quantize, any(isinstance(p, (BlockFP8, MXFP4)) for p in parts)
+    return quantize, any(isinstance(p, (BlockFP8, MXFP4, BNB4)) for p in parts)
 
 
 def _frozen_first_expert(weight: FrozenExpertWeight) -> int:
@@ -301,14 +301,29 @@ def _raw_parts(source: Source, weight: FrozenExpertWeight) -> list[list[tuple[En
                     return None
                 if not (_same_grid(part, weight.block) and aligned):
                     return None
+            elif weight.format == "nf4":
+                if not (isinstance(part, BNB4) and _nf4_as_ours(part)) or weight.transposed:
+                    return None  # bitsandbytes' NF4 of [out, in] blocks of 64 along ``in`` is ours
             elif not (weight.format == "mxfp4" and isinstance(part, MXFP4) and isinstance(source, Whole)):
-                return None  # (NF4 is always quantized on load: no release ships it)
+                return None
             elif not weight.transposed:  # GPT-OSS's [E, in, out] is the one MXFP4 layout published
                 return None
             rows.append((part, row0, part_rows))
             row0 += part_rows
         out.append(rows)
     return out
+
+
+def _nf4_as_ours(part: BNB4) -> bool:
+    """Whether a bitsandbytes 4-bit matrix holds this library's NF4: the NF4 table, blocks of 64 that
+    each lie within a row (bitsandbytes runs them over the flattened matrix)."""
+    table = torch.tensor(NF4_VALUES, dtype=torch.float32).tolist()
+    return (
+        part.quant_type == "nf4"
+        and part.block == NF4_GROUP
+        and part.shape[-1] % NF4_GROUP == 0
+        and (list(part.quant_map) == table)
+    )
 
 
 def _same_grid(part: BlockFP8, block: tuple[int, int]) -> bool:
@@ -346,6 +361,16 @@ def _copy_raw(
             at_rows = torch.arange(lo - grid0, hi - grid0) * br // pbr
             at_cols = torch.arange(held["scale_inv"].shape[-1]) * bc // pbc
             held["scale_inv"][local, lo - g0 : hi - g0] = scale_values(scale)[at_rows][:, at_cols]
+    elif isinstance(part, BNB4):  # into NF4 [E, out, in / 64, 32]: each row is whole blocks of 64
+        (a, b), width = spans["codes"], part.shape[-1]
+        lo, hi = max(a, row0), min(b, row0 + rows)
+        if lo < hi:
+            flat = slice((lo - row0) * width // 2, (hi - row0) * width // 2)
+            packed = opener.read(part.data, (flat, slice(0, 1))).reshape(hi - lo, width // NF4_GROUP, -1)
+            held["codes"][local, lo - a : hi - a] = nibbles_swapped(packed)
+            first = (lo - row0) * width // NF4_GROUP
+            absmax = part.absmax_of(opener, first, first + (hi - lo) * width // NF4_GROUP)
+            held["absmax"][local, lo - a : hi - a] = absmax.reshape(hi - lo, -1)
     else:
         assert isinstance(part, MXFP4)
         a, b = spans["blocks"]  # the output features held here, dim 1 of both

@@ -4,21 +4,29 @@ and their encodings (``Plain``, ``BlockFP8``, ``MXFP4``; the formats are in ``mo
 The quantized folders read (``check_readable`` refuses the others before any tensor is read):
 ``quant_method`` ``"fp8"`` (transformers' block-scaled ``weight_scale_inv``, or AutoFP8's per-tensor
 ``weight_scale``), ``"mxfp4"``, ``"fbgemm_fp8"`` (per-row ``weight_scale``), ``"modelopt"`` with
-``quant_algo`` ``"FP8"``, and ``"compressed-tensors"`` whose weights are 8-bit floats
-(``float-quantized``: per tensor, channel, group or block)."""
+``quant_algo`` ``"FP8"``, ``"compressed-tensors"`` whose weights are 8-bit floats
+(``float-quantized``: per tensor, channel, group or block), and ``"bitsandbytes"`` in 4 bits (NF4 or
+FP4, with or without double quantization, stored in uint8)."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Mapping
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_ep.moe.quantized import MXFP4_GROUP, dequantize_fp8_block, dequantize_mxfp4
+from lightning_ep.moe.quantized import (
+    MXFP4_GROUP,
+    bnb_nested_absmax,
+    dequantize_bnb4,
+    dequantize_fp8_block,
+    dequantize_mxfp4,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -31,6 +39,11 @@ MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 ACTIVATION_SCALES = (".input_scale", ".activation_scale", ".output_scale", ".k_scale", ".v_scale", ".kv_scale")
 # Weights in 8-bit floats, in the compressed-tensors formats that store them unpacked.
 FLOAT8_FORMATS = ("float-quantized", "naive-quantized")
+# A bitsandbytes 4-bit weight `x.weight` has its state beside it: `x.weight.absmax`, `x.weight.quant_map`
+# (and `x.weight.nested_absmax`, `x.weight.nested_quant_map` when double-quantized) and the JSON rest
+# packed in `x.weight.quant_state.bitsandbytes__nf4` (or `__fp4`).
+BNB_STATE = ".quant_state.bitsandbytes__"
+BNB_PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", BNB_STATE + "nf4", BNB_STATE + "fp4")
 
 
 @dataclass(frozen=True)
@@ -150,7 +163,54 @@ class MXFP4:
         return values[..., first : first + inner.stop - inner.start].transpose(-1, -2)
 
 
-Encoded = Plain | BlockFP8 | MXFP4
+@dataclass(frozen=True)
+class BNB4:
+    """A bitsandbytes 4-bit weight (``Linear4bit``'s state dict): the bytes ``data [ceil(n / 2), 1]`` of
+    the flattened ``[R, C]`` weight, its ``absmax`` per ``block`` values (fp32, or 8-bit indices into
+    ``nested``'s map and scales when double-quantized) and its ``quant_map`` (16 values)."""
+
+    data: Stored
+    absmax: Stored
+    logical_shape: tuple[int, ...]
+    quant_type: str
+    block: int
+    quant_map: tuple[float, ...]
+    nested: tuple[Stored, Stored] | None = None  # nested_absmax, nested_quant_map
+    nested_block: int = 256
+    offset: float = 0.0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.logical_shape
+
+    @property
+    def stored(self) -> tuple[Stored, ...]:
+        return (self.data, self.absmax, *(self.nested or ()))
+
+    def absmax_of(self, opener: Opener, first: int, stop: int) -> torch.Tensor:
+        """The fp32 absmax of blocks ``first .. stop - 1``."""
+        if self.nested is None:
+            return opener.read(self.absmax, (slice(first, stop),)).to(torch.float32)
+        scales, table = self.nested
+        start = first // self.nested_block * self.nested_block  # from the first block of a nested block
+        indices = opener.read(self.absmax, (slice(start, stop),))
+        grid = opener.read(scales, (slice(start // self.nested_block, -(-stop // self.nested_block)),))
+        nested_map = opener.read(table, (slice(0, table.shape[0]),))
+        return bnb_nested_absmax(indices, grid, nested_map, self.nested_block, self.offset)[first - start :]
+
+    def read(self, opener: Opener, box: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
+        rows, cols = box
+        width, total = self.logical_shape[-1], math.prod(self.logical_shape)
+        first, stop = rows.start * width, rows.stop * width  # the flat values of the rows read
+        b0, b1 = first // self.block, -(-stop // self.block)
+        e0, e1 = b0 * self.block, min(b1 * self.block, total)  # the whole blocks covering them
+        packed = opener.read(self.data, (slice(e0 // 2, -(-e1 // 2)), slice(0, 1))).reshape(-1)
+        table = torch.tensor(self.quant_map, dtype=torch.float32)
+        values = dequantize_bnb4(packed, self.absmax_of(opener, b0, b1), table, self.block)
+        return values[first - e0 : stop - e0].reshape(-1, width)[:, cols].to(dtype)
+
+
+Encoded = Plain | BlockFP8 | MXFP4 | BNB4
 
 
 def stored_tensors(folder: Path) -> dict[str, Stored]:
@@ -190,7 +250,13 @@ def check_readable(quant: Mapping[str, Any], folder: Path) -> None:
     if method is None or method in ("fp8", "mxfp4", "fbgemm_fp8"):
         return
     detail = None
-    if method == "modelopt":
+    if method == "bitsandbytes":
+        storage = quant.get("bnb_4bit_quant_storage") or "uint8"
+        if quant.get("load_in_8bit") or not quant.get("load_in_4bit"):
+            detail = "8-bit (LLM.int8)"
+        elif storage != "uint8":
+            detail = f"4-bit stored in {storage}"
+    elif method == "modelopt":
         algo = quant.get("quant_algo")
         detail = None if str(algo).upper() == "FP8" else f"quant_algo={algo!r}"
     elif method == "compressed-tensors":
@@ -243,9 +309,14 @@ def encode(tensors: Mapping[str, Stored], quant: Mapping[str, Any]) -> tuple[dic
     encoded: dict[str, Encoded] = {}
     activation_scales: list[str] = []
     blocks = fp8_blocks(quant)
+    with closing(Opener()) as opener:
+        bnb = {key: _bnb4(key, tensors, opener) for key in tensors if _bnb_state_key(key, tensors) is not None}
     for key, stored in tensors.items():
-        if _fp8_scale_of(key, tensors) is not None:
+        if _fp8_scale_of(key, tensors) is not None or _bnb_part_of(key, bnb) is not None:
             continue  # read with its weight
+        if key in bnb:
+            encoded[key] = bnb[key]
+            continue
         if key.endswith(MXFP4_SCALES) and key[: -len(MXFP4_SCALES)] + MXFP4_BLOCKS in tensors:
             continue
         scale = next((tensors[key + s] for s in FP8_SCALES if key + s in tensors), None)
@@ -265,6 +336,51 @@ def encode(tensors: Mapping[str, Stored], quant: Mapping[str, Any]) -> tuple[dic
         else:
             encoded[key] = Plain(stored)
     return encoded, activation_scales
+
+
+def _bnb_state_key(key: str, tensors: Mapping[str, Stored]) -> str | None:
+    """The packed state of ``key`` when it is a bitsandbytes 4-bit weight, or ``None``."""
+    return next((key + BNB_STATE + q for q in ("nf4", "fp4") if key + BNB_STATE + q in tensors), None)
+
+
+def _bnb_part_of(key: str, weights: Mapping[str, BNB4]) -> str | None:
+    """The bitsandbytes weight whose state ``key`` holds, or ``None``."""
+    return next((key[: -len(p)] for p in BNB_PARTS if key.endswith(p) and key[: -len(p)] in weights), None)
+
+
+def _bnb4(key: str, tensors: Mapping[str, Stored], opener: Opener) -> BNB4:
+    """``key``'s bitsandbytes 4-bit weight, its packed JSON state and maps read (a few hundred bytes)."""
+    state_key = _bnb_state_key(key, tensors)
+    assert state_key is not None
+    packed = opener.read(tensors[state_key], (slice(0, tensors[state_key].shape[0]),))
+    state = json.loads(bytes(packed.tolist()).decode("utf-8"))
+    parts = [".absmax", ".quant_map", *((".nested_absmax", ".nested_quant_map") if "nested_offset" in state else ())]
+    missing = [key + p for p in parts if key + p not in tensors]
+    if missing or tensors[key].dtype != "U8":
+        raise ValueError(
+            f"load_pretrained_sharded: {key!r} is a bitsandbytes 4-bit weight ({state_key!r}) but "
+            + (f"{missing} are missing" if missing else f"is stored as {tensors[key].dtype}, not uint8")
+            + "; the folder is incomplete or saved with another quant storage. Start from the publisher's bf16 release."
+        )
+
+    def values(name: str) -> tuple[float, ...]:
+        stored = tensors[key + name]
+        return tuple(opener.read(stored, (slice(0, stored.shape[0]),)).to(torch.float32).tolist())
+
+    nested = None
+    if "nested_offset" in state:
+        nested = (tensors[key + ".nested_absmax"], tensors[key + ".nested_quant_map"])
+    return BNB4(
+        tensors[key],
+        tensors[key + ".absmax"],
+        tuple(int(n) for n in state["shape"]),
+        str(state["quant_type"]),
+        int(state["blocksize"]),
+        values(".quant_map"),
+        nested,
+        int(state.get("nested_blocksize", 256)),
+        float(state.get("nested_offset", 0.0)),
+    )
 
 
 def _fp8_scale_of(key: str, tensors: Mapping[str, Stored]) -> str | None:
@@ -309,6 +425,7 @@ def _fp8_block(weight: Stored, scale: Stored, blocks: list[tuple[int, int]]) -> 
 
 
 __all__ = [
+    "BNB4",
     "MXFP4",
     "BlockFP8",
     "Encoded",

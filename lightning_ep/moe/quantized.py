@@ -12,8 +12,13 @@
   exponent per 32 values; transformers keeps the result transposed, ``[..., in, out]``.
 
 - **NF4** (QLoRA's 4-bit NormalFloat, as bitsandbytes and torchao define its 16 values): weights
-  published in higher precision and kept frozen (``moe.experts.frozen``), one fp32 ``absmax`` per 64
-  values along the input features, two value indices a byte (low nibble first).
+  kept frozen (``moe.experts.frozen``), one fp32 ``absmax`` per 64 values along the input features,
+  two value indices a byte (low nibble first).
+- **bitsandbytes 4-bit** (``load_in_4bit`` releases, as ``Linear4bit`` saves them): a weight
+  ``[R, C]`` flattened and cut into blocks of ``blocksize`` values, two 4-bit indices a byte (the
+  first value in the high nibble), each value ``quant_map[index] * absmax[block]``; with double
+  quantization the absmax are themselves 8-bit indices: ``nested_quant_map[i] * nested_absmax[block
+  of 256] + offset``, in fp32. NF4's ``quant_map`` is the NF4 table above.
 
 The dequantizers take the stored slice covering the wanted block and return exactly that block, the
 products computed in fp32 as transformers computes them, then cast to ``dtype``. The quantizers, for
@@ -99,6 +104,30 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return values.reshape(*blocks.shape[:-2], -1).to(dtype)
 
 
+def dequantize_bnb4(packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, block: int) -> torch.Tensor:
+    """bitsandbytes' 4-bit ``packed`` bytes (first value in the high nibble) as fp32 values, flat: value
+    ``i`` is ``quant_map[index] * absmax[i // block]``, from the first value of a block on."""
+    indices = torch.stack((packed >> 4, packed & 0x0F), dim=-1).reshape(-1).long()
+    values = quant_map.to(torch.float32)[indices]
+    scales = absmax.to(torch.float32).repeat_interleave(block)[: values.numel()]
+    return values[: scales.numel()] * scales
+
+
+def bnb_nested_absmax(
+    indices: torch.Tensor, nested_absmax: torch.Tensor, nested_map: torch.Tensor, nested_block: int, offset: float
+) -> torch.Tensor:
+    """bitsandbytes' double-quantized block scales in fp32 (``indices`` from a multiple of
+    ``nested_block`` on): ``nested_map[index] * nested_absmax[i // nested_block] + offset``."""
+    values = nested_map.to(torch.float32)[indices.long()]
+    scales = nested_absmax.to(torch.float32).repeat_interleave(nested_block)[: values.numel()]
+    return values * scales + torch.tensor(offset, dtype=torch.float32)
+
+
+def nibbles_swapped(packed: torch.Tensor) -> torch.Tensor:
+    """``packed`` uint8 with each byte's two 4-bit halves exchanged (bitsandbytes' order <-> ours)."""
+    return (packed << 4) | (packed >> 4)
+
+
 @torch.no_grad()
 def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data float8_e4m3fn [..., R, C], scale_inv float32 [..., ceil(R/br), ceil(C/bc)])`` of ``w``:
@@ -176,9 +205,12 @@ __all__ = [
     "MXFP4_GROUP",
     "NF4_GROUP",
     "NF4_VALUES",
+    "bnb_nested_absmax",
+    "dequantize_bnb4",
     "dequantize_fp8_block",
     "dequantize_mxfp4",
     "dequantize_nf4",
+    "nibbles_swapped",
     "quantize_fp8",
     "quantize_mxfp4",
     "quantize_nf4",

@@ -26,11 +26,19 @@ GPT_OSS = {"intermediate_size": 64}
 
 
 def peft_model(model_type: str) -> nn.Module:
-    """A tiny PEFT LoRA model: Mixtral with adapters on attention and both expert weights, GPT-OSS
-    (built as ``tiny_family(model_type, **GPT_OSS)``) with adapters on attention."""
+    """A tiny PEFT LoRA model: Mixtral with adapters on attention and both expert weights (``mixtral64``:
+    its experts 64 wide, for NF4), GPT-OSS (built as ``tiny_family(model_type, **GPT_OSS)``) with
+    adapters on attention."""
     if model_type == "mixtral":
         return tiny_peft("mixtral")
     from peft import get_peft_model
+
+    if model_type == "mixtral64":
+        from conftest import tiny_mixtral
+
+        mixtral = tiny_mixtral(0, intermediate_size=64).train()
+        torch.manual_seed(1)
+        return get_peft_model(mixtral, lora_config())
 
     base = tiny_family(model_type, **GPT_OSS).train()
     torch.manual_seed(1)

@@ -12,6 +12,10 @@
 - ``write_autofp8``: AutoFP8's static per-tensor layout (neuralmagic's Mixtral-8x7B-Instruct-v0.1-FP8):
   scalar fp32 ``weight_scale`` and ``input_scale`` beside each FP8 weight, ``quant_method: "fp8"``
   without ``weight_block_size``.
+- ``write_bnb4``: a bitsandbytes ``load_in_4bit`` release (as transformers 4.x saved Mixtral and
+  Qwen-MoE with per-expert linear layers): every linear weight of the decoder layers, routers included,
+  quantized by bitsandbytes' own ``quantize_4bit`` (NF4 or FP4, blocks of 64, double quantization)
+  and saved as its ``Linear4bit`` saves it (``QuantState.as_dict(packed=True)`` beside the bytes).
 - ``write_mxfp4``: GPT-OSS's release format: the experts as ``*_blocks`` (two E2M1 values per
   byte, low nibble first) and ``*_scales`` (E8M0 per 32 values), ``[E, out, in/32, 16]``.
 - ``add_mtp_layer``: the multi-token-prediction layer DeepSeek-V3 and GLM-4.5 ship as
@@ -229,6 +233,64 @@ def write_autofp8(model: nn.Module, folder: Path, *, shards: int = 2) -> Path:
     quant = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
     edit_config(folder, quantization_config=quant)
     return folder
+
+
+# --------------------------------------------------------------------------------------------
+# bitsandbytes 4-bit
+# --------------------------------------------------------------------------------------------
+
+
+def _bnb_target(key: str, tensor: torch.Tensor) -> bool:
+    """The weights transformers' ``load_in_4bit`` quantizes: every linear layer's but the head's."""
+    return tensor.ndim == 2 and ".layers." in key and key.endswith(".weight")
+
+
+def write_bnb4(
+    model: nn.Module, folder: Path, *, quant_type: str = "nf4", double: bool = True, shards: int = 2
+) -> Path:
+    """``model`` saved as a bitsandbytes 4-bit release (see the module docstring); returns ``folder``."""
+    import bitsandbytes.functional as bnb_f
+
+    model.save_pretrained(folder)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in read_folder(folder).items():
+        if _bnb_target(key, tensor):
+            packed, state = bnb_f.quantize_4bit(tensor, blocksize=64, quant_type=quant_type, compress_statistics=double)
+            out[key] = packed
+            out.update({f"{key}.{name}": value for name, value in state.as_dict(packed=True).items()})
+        else:
+            out[key] = tensor
+    write_shards(out, folder, shards)
+    quant = {
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": True,
+        "load_in_8bit": False,
+        "bnb_4bit_quant_type": quant_type,
+        "bnb_4bit_use_double_quant": double,
+        "bnb_4bit_compute_dtype": "bfloat16",
+        "bnb_4bit_quant_storage": "uint8",
+        "llm_int8_skip_modules": None,
+    }
+    edit_config(folder, quantization_config=quant)
+    return folder
+
+
+def bnb4_dequantized(folder: Path) -> dict[str, torch.Tensor]:
+    """The folder's tensors in fp32 under their stored names, its 4-bit weights dequantized by
+    bitsandbytes' own ``dequantize_4bit`` from the state as its ``Linear4bit`` loads it. Rows must be
+    whole blocks: bitsandbytes' CPU kernel (0.50) keeps blocks within rows where its CUDA one, and
+    the releases, run them over the flattened weight."""
+    import bitsandbytes.functional as bnb_f
+
+    state = read_folder(folder)
+    weights = [k[: -len(".quant_state.bitsandbytes__nf4")] for k in state if k.endswith(("__nf4", "__fp4"))]
+    out = {}
+    for key in weights:
+        parts = {k[len(key) + 1 :]: v for k, v in state.items() if k.startswith(key + ".")}
+        quant_state = bnb_f.QuantState.from_dict(parts, torch.device("cpu"))
+        assert quant_state.shape[-1] % quant_state.blocksize == 0, (key, quant_state.shape)
+        out[key] = bnb_f.dequantize_4bit(state[key], quant_state).float()
+    return {**{k: v.float() for k, v in state.items() if not any(k.startswith(w) for w in weights)}, **out}
 
 
 # --------------------------------------------------------------------------------------------

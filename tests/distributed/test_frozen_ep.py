@@ -8,9 +8,9 @@ adapters on attention), their base weights read by ``load_pretrained_sharded``:
   holds half of its LoRA factors, and quantizes the whole FP8 blocks covering them; blocks of 24 rows
   straddle the two ranks' halves);
 - from an FP8 folder (DeepSeek-V3's layout, blocks of 16; AutoFP8's, one scale per expert matrix
-  spread over blocks of 16) and an MXFP4 one (GPT-OSS's), each rank's rows of the published bytes
-  copied as they are; the MXFP4 one into NF4, dequantized and quantized again on the rank that holds
-  the rows.
+  spread over blocks of 16), an MXFP4 one (GPT-OSS's) and a bitsandbytes NF4 one (a Mixtral with
+  experts 64 wide), each rank's rows of the published bytes copied as they are; the MXFP4 one into
+  NF4, dequantized and quantized again on the rank that holds the rows.
 
 Every rank's bytes equal the one-process model's rows it holds, its gathered experts equal the
 one-process model's whole, and the loss and every LoRA gradient equal the one-process model's fed
@@ -25,11 +25,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_mixtral
 from families_workers import tiny_family
 from frozen_workers import GPT_OSS, run_frozen, run_initialised, run_resharded
 from harness import spawn
 from lora_workers import tiny_base
-from published import write_autofp8, write_fp8, write_mxfp4
+from published import write_autofp8, write_bnb4, write_fp8, write_mxfp4
 
 pytestmark = pytest.mark.distributed
 
@@ -40,6 +41,7 @@ def _folders(root: Path) -> Path:
     tiny_base("mixtral").to(torch.bfloat16).save_pretrained(root / "bf16")
     write_fp8(tiny_base("mixtral"), root / "fp8", block=(16, 16))
     write_autofp8(tiny_base("mixtral"), root / "autofp8")
+    write_bnb4(tiny_mixtral(0, intermediate_size=64), root / "bnb4")
     write_mxfp4(tiny_family("gpt_oss", **GPT_OSS), root / "mxfp4")
     return root
 
@@ -53,6 +55,7 @@ def test_frozen_experts_on_2_processes(tmp_path: Path) -> None:
         ("mixtral", "mxfp4", 1, "bf16", BLOCK),
         ("mixtral", "fp8", 1, "fp8", (16, 16)),
         ("mixtral", "fp8", 1, "autofp8", (16, 16)),
+        ("mixtral64", "nf4", 1, "bnb4", BLOCK),
         ("gpt_oss", "mxfp4", 1, "mxfp4", BLOCK),
         ("gpt_oss", "nf4", 1, "mxfp4", BLOCK),
     ]
@@ -64,6 +67,7 @@ def test_frozen_experts_on_4_processes(tmp_path: Path) -> None:
         ("mixtral", "fp8", 2, "bf16", (24, 24)),
         ("gpt_oss", "mxfp4", 2, "mxfp4", BLOCK),
         ("gpt_oss", "nf4", 2, "mxfp4", BLOCK),
+        ("mixtral64", "nf4", 2, "bnb4", BLOCK),
     ]
     spawn(run_frozen, 4, str(_folders(tmp_path)), cases)
 

@@ -6,11 +6,11 @@ with ``"dtype": "bfloat16"`` in its config as the releases have it: at the start
 parameter equals transformers' own dequantized fp32 load bit for bit (under ``bf16-mixed`` the
 parameters are fp32 master weights, whatever dtype the config names), the multi-token-prediction
 weights are named once (on rank 0) as ignored, and two steps train. The same folders, and
-llm-compressor's FP8 of a Qwen3-MoE (groups of 16), with their experts frozen and kept as published
-(``frozen_experts="fp8"`` / ``"mxfp4"``) at degree 1, each rank holding half of every expert's
-bytes: the experts gathered and dequantized equal transformers' load (of the hand-dequantized
-tensors for the groups, which transformers does not dequantize) bit for bit too, and the setup table
-says where their bytes are split.
+llm-compressor's FP8 of a Qwen3-MoE (groups of 16) and a bitsandbytes NF4 one, with their experts
+frozen and kept as published (``frozen_experts="fp8"`` / ``"mxfp4"`` / ``"nf4"``) at degree 1, each
+rank holding half of every expert's bytes: the experts gathered and dequantized equal transformers'
+load (of the tensors dequantized by hand, or by bitsandbytes, where transformers does not dequantize
+the format) bit for bit too, and the setup table says where their bytes are split.
 """
 
 from __future__ import annotations
@@ -29,7 +29,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import tiny_family
-from published import dequantized_by_hand, edit_config, write_compressed_fp8, write_fp8, write_mxfp4, write_shards
+from published import (
+    bnb4_dequantized,
+    dequantized_by_hand,
+    edit_config,
+    write_bnb4,
+    write_compressed_fp8,
+    write_fp8,
+    write_mxfp4,
+    write_shards,
+)
 
 WORKER = Path(__file__).with_name("published_fit_worker.py")
 FORKRUN = [sys.executable, str(Path(__file__).parents[1] / "forkrun.py")]
@@ -47,15 +56,17 @@ def _free_port() -> int:
 
 def transformers_state(folder: Path) -> dict[str, torch.Tensor]:
     """transformers' dequantized fp32 load of ``folder``; of its tensors dequantized by hand (saved
-    beside it) where transformers does not dequantize the format (compressed-tensors' groups)."""
+    beside it) where transformers does not dequantize the format (compressed-tensors' groups), or by
+    bitsandbytes (its 4-bit per-expert layers, which transformers 5 no longer loads)."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
     method = json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"]
     kwargs = {}
-    if method == "compressed-tensors":
+    if method in ("compressed-tensors", "bitsandbytes"):
         hand = folder.with_name("by_hand")
         shutil.copytree(folder, hand)
-        write_shards({k: v.contiguous() for k, v in dequantized_by_hand(folder).items()}, hand, shards=1)
+        tensors = bnb4_dequantized(folder) if method == "bitsandbytes" else dequantized_by_hand(folder)
+        write_shards({k: v.contiguous() for k, v in tensors.items()}, hand, shards=1)
         edit_config(hand, quantization_config=None)
         folder = hand
     else:
@@ -93,13 +104,17 @@ def test_fit_from_a_published_folder(model_type: str, tmp_path: Path) -> None:
         assert len(rank0) == 1 and "multi-token-prediction weights" in rank0[0] and rank1 == []
 
 
-@pytest.mark.parametrize(("model_type", "fmt"), [("deepseek_v3", "fp8"), ("qwen3_moe", "fp8"), ("gpt_oss", "mxfp4")])
+@pytest.mark.parametrize(
+    ("model_type", "fmt"), [("deepseek_v3", "fp8"), ("qwen3_moe", "fp8"), ("qwen3_moe", "nf4"), ("gpt_oss", "mxfp4")]
+)
 def test_fit_from_a_published_folder_with_its_experts_kept_as_published(
     model_type: str, fmt: str, tmp_path: Path
 ) -> None:
-    model = tiny_family(model_type, seed=3)
+    model = tiny_family(model_type, seed=3, **({"moe_intermediate_size": 64} if fmt == "nf4" else {}))
     if model_type == "deepseek_v3":
         folder = write_fp8(model, tmp_path / "hf", block=(8, 8), mtp=True)
+    elif fmt == "nf4":  # a bitsandbytes load_in_4bit release: NF4 with double-quantized absmax
+        folder = write_bnb4(model, tmp_path / "hf")
     elif model_type == "qwen3_moe":  # llm-compressor's FP8 in groups of 16: kept as blocks of 1 x 16
         folder = write_compressed_fp8(model, tmp_path / "hf", "group", group=16)
     else:

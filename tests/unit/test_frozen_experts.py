@@ -43,6 +43,7 @@ from lightning_ep.moe.quantized import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from conftest import tiny_mixtral
 from families_workers import micro_batch, tiny_family
 from lora_workers import lora_config, tiny_base, tiny_peft
 from published import (
@@ -50,6 +51,7 @@ from published import (
     mxfp4_dequantize_by_hand,
     read_folder,
     write_autofp8,
+    write_bnb4,
     write_compressed_fp8,
     write_fp8,
     write_mxfp4,
@@ -291,7 +293,7 @@ def test_transformers_experts_implementation_is_refused_on_quantized_experts() -
 def _meta_frozen(model_type: str, fmt: str, block: tuple[int, int] = (128, 128), **overrides: object) -> nn.Module:
     """A transformed model on the meta device with frozen experts in ``fmt``, allocated on the CPU."""
     with torch.device("meta"):
-        model = tiny_base(model_type, seed=11) if model_type == "mixtral" else tiny_family(model_type, 11, **overrides)
+        model = tiny_mixtral(11, **overrides) if model_type == "mixtral" else tiny_family(model_type, 11, **overrides)
     model.requires_grad_(False)
     lightning_ep.transform(model, CONFIG)
     keep_frozen_experts(model, fmt, block=block)  # type: ignore[arg-type]
@@ -411,6 +413,44 @@ def test_a_per_row_fp8_folder_is_requantized_into_blocks(tmp_path: Path) -> None
         )
         expected = FrozenExpertWeight("fp8", exact, block=(16, 16)).dequantize(torch.float32)
         assert torch.equal(frozen.dequantize(torch.float32), expected), name
+
+
+def test_bitsandbytes_nf4_folder_is_copied_byte_for_byte(tmp_path: Path) -> None:
+    """bitsandbytes' NF4 (blocks of 64 along the input features, double-quantized absmax) is this
+    library's NF4 with the nibbles of a byte the other way round and the absmax expanded to fp32: the
+    codes are copied, the absmax computed as bitsandbytes computes them, and the experts equal
+    bitsandbytes' own dequantization bit for bit, with no warning. FP4 is quantized again."""
+    import bitsandbytes.functional as bnb_f
+
+    folder = write_bnb4(tiny_mixtral(3, intermediate_size=64), tmp_path / "bnb")
+    stored = read_folder(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_pretrained_sharded(_meta_frozen("mixtral", "nf4", intermediate_size=64), folder)
+    weights = frozen_weights(model)
+    assert len(weights) == 4
+    for name, frozen in weights.items():
+        codes, absmax, values = [], [], []
+        for e in range(frozen.shape[0]):
+            layer, weight = name.split(".")[2], name.rpartition(".")[2]
+            prefix = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+            for part in MIXTRAL_PARTS[weight]:
+                key = f"{prefix}.{part}.weight"
+                state = bnb_f.QuantState.from_dict(
+                    {k[len(key) + 1 :]: v for k, v in stored.items() if k.startswith(key + ".")}, torch.device("cpu")
+                )
+                rows, cols = state.shape
+                byte = stored[key].reshape(rows, cols // 64, 32)
+                codes.append((byte & 15) << 4 | byte >> 4)  # our order: the first value in the low nibble
+                absmax.append((bnb_f.dequantize_blockwise(state.absmax, state.state2) + state.offset).reshape(rows, -1))
+                values.append(bnb_f.dequantize_4bit(stored[key], state))
+        n = frozen.shape[0]
+        assert torch.equal(frozen.stored()["codes"], torch.cat(codes).reshape(n, -1, *codes[0].shape[1:])), name
+        assert torch.equal(frozen.stored()["absmax"], torch.cat(absmax).reshape(n, -1, absmax[0].shape[1])), name
+        assert torch.equal(frozen.dequantize(torch.float32), torch.cat(values).reshape(n, -1, values[0].shape[1])), name
+    fp4 = write_bnb4(tiny_mixtral(3, intermediate_size=64), tmp_path / "fp4", quant_type="fp4")
+    with pytest.warns(UserWarning, match=r"quantized otherwise than the model keeps them \(nf4\)"):
+        load_pretrained_sharded(_meta_frozen("mixtral", "nf4", intermediate_size=64), fp4)
 
 
 def test_mxfp4_folder_is_copied_byte_for_byte_and_exports_dequantized(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 Every folder is built from a tiny random model of the family and laid out the way its publisher
 ships it (``tests/distributed/published.py``): per-expert keys in several shard files with an
 index, DeepSeek-V3's block-scaled FP8 (fp32 and E8M0 scales, partial last blocks), llm-compressor's
-and AutoFP8's FP8 with a ``weight_scale`` (per tensor, row, group and block), GPT-OSS's MXFP4
+and AutoFP8's FP8 with a ``weight_scale`` (per tensor, row, group and block), bitsandbytes' 4-bit
+(NF4 and FP4, with and without double quantization), GPT-OSS's MXFP4
 experts, and the multi-token-prediction layer of DeepSeek-V3 and GLM-4.5 (expert weights included).
 
 The reference is transformers' own ``from_pretrained`` of the same folder, dequantized, in fp32:
@@ -19,8 +20,10 @@ weights' products in bf16, so it is compared in bf16: the correctly rounded fp32
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import FAMILY_NAMES, micro_batch, rel_err, tiny_family
 from published import (
     add_mtp_layer,
+    bnb4_dequantized,
     dequantized_by_hand,
     edit_config,
     fp8_dequantize_by_hand,
@@ -46,6 +50,7 @@ from published import (
     mxfp4_quantize,
     read_folder,
     write_autofp8,
+    write_bnb4,
     write_compressed_fp8,
     write_fp8,
     write_mxfp4,
@@ -180,11 +185,15 @@ def test_fp8_partial_blocks_equal_a_hand_dequantization(tmp_path: Path, e8m0: bo
     assert_same_logits(model, reference)
 
 
-def by_hand_model(like: nn.Module, folder: Path, hand_folder: Path) -> nn.Module:
-    """transformers' load (fused by its own rules) of ``folder``'s tensors dequantized by hand, saved
-    in ``hand_folder`` with the config of ``like`` (a model of the same family)."""
+def by_hand_model(
+    like: nn.Module, folder: Path, hand_folder: Path, tensors: dict[str, torch.Tensor] | None = None
+) -> nn.Module:
+    """transformers' load (fused by its own rules) of ``folder``'s tensors dequantized by hand (or of
+    ``tensors``, its tensors dequantized otherwise), saved in ``hand_folder`` with the config of ``like``
+    (a model of the same family)."""
     like.save_pretrained(hand_folder)
-    write_shards({k: v.contiguous() for k, v in dequantized_by_hand(folder).items()}, hand_folder, shards=1)
+    tensors = dequantized_by_hand(folder) if tensors is None else tensors
+    write_shards({k: v.contiguous() for k, v in tensors.items()}, hand_folder, shards=1)
     return transformers_load(hand_folder)
 
 
@@ -199,10 +208,10 @@ def test_mixtral_fp8_per_expert(tmp_path: Path) -> None:
     assert_same_logits(model, reference)
 
 
-def tiny_family_mixtral(seed: int = 3) -> nn.Module:
+def tiny_family_mixtral(seed: int = 3, **overrides: int) -> nn.Module:
     from conftest import tiny_mixtral
 
-    return tiny_mixtral(seed=seed)
+    return tiny_mixtral(seed=seed, **overrides)
 
 
 def transformed(model: nn.Module) -> nn.Module:
@@ -255,6 +264,71 @@ def test_fp8_in_e5m2_is_read_as_e5m2(tmp_path: Path) -> None:
     keep_frozen_experts(meta, "fp8", block=(1, 64))  # the folder's own per-row grid over 64 columns
     with pytest.warns(UserWarning, match=r"quantized otherwise than the model keeps them \(fp8"):
         load_pretrained_sharded(meta.to_empty(device="cpu"), folder)
+
+
+@pytest.mark.parametrize(("quant_type", "double"), [("nf4", True), ("nf4", False), ("fp4", True)])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_bitsandbytes_4bit_release(tmp_path: Path, model_type: str, quant_type: str, double: bool) -> None:
+    """A ``load_in_4bit`` release (unsloth's and others' ``*-bnb-4bit`` of Mixtral and Qwen-MoE, saved
+    when the experts were linear layers): every linear weight, routers included, equals bitsandbytes'
+    own dequantization bit for bit (both compute ``quant_map[i] * absmax`` in fp32, the double-quantized
+    absmax too)."""
+    if model_type == "mixtral":
+        build = functools.partial(tiny_family_mixtral, intermediate_size=64)
+    else:
+        build = functools.partial(tiny_family, model_type, moe_intermediate_size=64)
+    folder = write_bnb4(build(seed=3), tmp_path / "bnb", quant_type=quant_type, double=double)
+    stored = read_folder(folder)
+    expert = next(k for k in stored if ".experts.5." in k and k.endswith(".weight"))
+    assert stored[expert].dtype == torch.uint8 and f"{expert}.quant_state.bitsandbytes__{quant_type}" in stored
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing in the folder goes unused
+        model = load_pretrained_sharded(transformed(build(seed=11)), folder).eval()
+    reference = by_hand_model(build(seed=0), folder, tmp_path / "hand", bnb4_dequantized(folder))
+    assert_same(model, reference)
+    assert_same_logits(model, reference)
+
+
+def test_bitsandbytes_blocks_run_over_the_flattened_weight() -> None:
+    """bitsandbytes cuts the flattened ``[R, C]`` weight into blocks of 64 (a block spans two rows of
+    32 here, and the last is partial): any box of rows and columns equals a dequantization by loops."""
+    import bitsandbytes.functional as bnb_f
+
+    from lightning_ep.models.hf_stored import BNB4, Opener, Stored
+
+    torch.manual_seed(0)
+    w = torch.randn(45, 32) * torch.logspace(-2, 1, 45)[:, None]  # 1440 values: 22.5 blocks
+    packed, state = bnb_f.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+    absmax = bnb_f.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    codes = torch.stack((packed.reshape(-1) >> 4, packed.reshape(-1) & 15), dim=1).reshape(-1)
+    by_hand = torch.empty(w.numel())
+    for i in range(w.numel()):
+        by_hand[i] = state.code[int(codes[i])] * absmax[i // 64]
+    by_hand = by_hand.reshape(45, 32)
+    folder = {
+        "w": packed,
+        "w.absmax": state.absmax,
+        "w.nested_absmax": state.state2.absmax,
+        "w.nested_quant_map": state.state2.code,
+        "w.quant_map": state.code,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in folder.items()}, f"{tmp}/m.safetensors")
+        stored = {
+            k: Stored(Path(tmp, "m.safetensors"), k, tuple(v.shape), "U8" if v.dtype == torch.uint8 else "F32")
+            for k, v in folder.items()
+        }
+        weight = BNB4(
+            stored["w"], stored["w.absmax"], (45, 32), "nf4", 64, tuple(state.code.tolist()),
+            (stored["w.nested_absmax"], stored["w.nested_quant_map"]), 256, float(state.offset),
+        )  # fmt: skip
+        opener = Opener()
+        for r0, r1, c0, c1 in [(0, 45, 0, 32), (1, 2, 0, 32), (3, 44, 5, 29), (44, 45, 31, 32), (2, 4, 0, 1)]:
+            block = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
+            assert torch.equal(block, by_hand[r0:r1, c0:c1]), (r0, r1, c0, c1)
+        opener.close()
 
 
 def test_autofp8_static_per_tensor_release(tmp_path: Path) -> None:
@@ -385,7 +459,14 @@ def _compressed(num_bits: int, kind: str, form: str) -> dict[str, object]:
     ("quant", "named"),
     [
         ({"quant_method": "gptq", "bits": 4, "group_size": 128}, r"quant_method='gptq'"),
-        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method='bitsandbytes'"),
+        (
+            {"quant_method": "bitsandbytes", "load_in_8bit": True},
+            r"quant_method='bitsandbytes' \(8-bit \(LLM\.int8\)\)",
+        ),
+        (
+            {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_storage": "bfloat16"},
+            r"quant_method='bitsandbytes' \(4-bit stored in bfloat16\)",
+        ),
         (
             _compressed(4, "int", "pack-quantized"),
             r"quant_method='compressed-tensors' \(config group 'group_0': "
@@ -398,8 +479,8 @@ def _compressed(num_bits: int, kind: str, form: str) -> dict[str, object]:
 def test_a_folder_quantized_in_a_format_it_cannot_read_is_refused_by_name(
     tmp_path: Path, quant: dict[str, object], named: str
 ) -> None:
-    """GPTQ, bitsandbytes, packed int4 and NVFP4 releases are refused before any tensor is read, with
-    the format named and the way on, not as weights of another model."""
+    """GPTQ, bitsandbytes' 8-bit (and 4-bit stored in bf16), packed int4 and NVFP4 releases are refused
+    before any tensor is read, with the format named and the way on, not as weights of another model."""
     folder = tmp_path / "mx"
     tiny_family_mixtral().save_pretrained(folder)
     edit_config(folder, quantization_config=quant)

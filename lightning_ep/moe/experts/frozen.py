@@ -16,8 +16,8 @@ low-precision layout, with no gradient and no optimizer state:
   for GPT-OSS's transposed ``[E, in, out]`` (``transposed=True``).
 - ``"nf4"``: ``codes uint8 [E, out, in/64, 32]`` (two NF4 value indices a byte, low nibble first) and
   ``absmax float32 [E, out, in/64]`` (one per 64 values along ``in``), QLoRA's 4-bit NormalFloat
-  with single-precision block scales as bitsandbytes stores it without double quantization; 0.5625
-  byte an element. No MoE release ships it: weights are quantized into it on load.
+  with single-precision block scales (bitsandbytes' double-quantized scales are expanded to fp32 on
+  load); 0.5625 byte an element. bitsandbytes' ``load_in_4bit`` releases ship it (per-expert layers).
 
 The experts' forward asks each weight for ``dequantize()``: its local experts in the compute dtype,
 a transient tensor. The autograd graph keeps no copy of it: ``recomputed_in_backward`` replaces every
@@ -25,7 +25,7 @@ saved view of it by a recipe that dequantizes it again when the backward reads i
 dequantized weights thus live during its forward and again during its backward, never between.
 
 Weights published in higher precision are quantized (``moe.quantized``) expert by expert on the
-rank that holds them; weights published in FP8 or MXFP4 are copied as they are (``models.hf_io``).
+rank that holds them; weights published in the format kept are copied as they are (``models.hf_io``).
 
 Expert parallelism splits the buffers by expert (dim 0, on ``ep``); ``shard_model`` also splits dim 1
 of each over the expert-data-parallel ranks (``FrozenExpertWeight.shard_rows_``), as FSDP2 splits the
