@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lightning_ep.moe.quantized import FP8_BLOCK
 from lightning_ep.plan.layouts import Layout
 from lightning_ep.plan.memory import Checkpointing, Workload
 from lightning_ep.plan.model import model_shape
@@ -55,6 +56,7 @@ def plan_for_devices(
     margin: float = MEMORY_MARGIN,
     lora_rank: int = 0,
     frozen_experts: str | None = None,
+    fp8_block: tuple[int, int] = FP8_BLOCK,
 ) -> Plan:
     """``choose_layout`` for ``hf_config`` at the strategy's ``replicate_degree`` (a pure function)."""
     workload = Workload(
@@ -65,6 +67,7 @@ def plan_for_devices(
         capacity_factor=capacity_factor,
         lora_rank=lora_rank,
         frozen_experts=frozen_experts,  # type: ignore[arg-type]
+        fp8_block=fp8_block,
     )
     return choose_layout(
         model_shape(hf_config),
@@ -93,6 +96,7 @@ def auto_degree(
     rank: int,
     lora_rank: int = 0,
     frozen_experts: str | None = None,
+    fp8_block: tuple[int, int] = FP8_BLOCK,
 ) -> int:
     """The strategy's ``degree="auto"`` (see the module docstring); prints the plan on rank 0."""
     if device.type != "cuda":
@@ -113,6 +117,7 @@ def auto_degree(
             hardware=hardware_for(device),
             lora_rank=lora_rank,
             frozen_experts=frozen_experts,
+            fp8_block=fp8_block,
         )
     except ValueError as error:
         raise ValueError(f"ExpertParallelStrategy(degree='auto', plan_batch={plan_batch}): {error}") from None

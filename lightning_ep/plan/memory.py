@@ -51,6 +51,8 @@ class Workload:
         lora_rank: ``0`` trains every parameter; ``r`` trains LoRA adapters of rank ``r`` only
             (``model.with_lora``: attention projections and both expert weights).
         frozen_experts: the strategy's argument: the frozen expert weights' format under LoRA.
+        fp8_block: FP8's rows and columns per scale for ``frozen_experts="fp8"``: 128 x 128, or the
+            block of the folder the weights are kept from (``models.pretrained.published_fp8_block``).
     """
 
     micro_batch: int = 1
@@ -60,6 +62,7 @@ class Workload:
     capacity_factor: float | None = None
     lora_rank: int = 0
     frozen_experts: Literal["fp8", "mxfp4", "nf4"] | None = None
+    fp8_block: tuple[int, int] = FP8_BLOCK
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq"):
@@ -77,6 +80,9 @@ class Workload:
             raise ValueError(f"Workload(capacity_factor={self.capacity_factor!r}): pass a float > 0, or None.")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"Workload(lora_rank={self.lora_rank!r}): pass 0 (a full fine-tune) or a rank >= 1.")
+        block = self.fp8_block
+        if not (isinstance(block, tuple) and len(block) == 2 and all(type(b) is int and b >= 1 for b in block)):
+            raise ValueError(f"Workload(fp8_block={block!r}): pass (rows, cols), two ints >= 1.")
         if self.frozen_experts is not None and (self.frozen_experts not in FORMATS or not self.lora_rank):
             raise ValueError(
                 f"Workload(frozen_experts={self.frozen_experts!r}): pass one of {list(FORMATS)} with a lora_rank >= 1 "
@@ -162,15 +168,18 @@ def trained(shape: ModelShape, workload: Workload) -> ModelShape:
     return with_lora(shape, workload.lora_rank) if workload.lora_rank else shape
 
 
-def _frozen_bytes(param: ParamInfo, shape: ModelShape, layout: Layout, fmt: str, rank: int | None) -> int:
-    """Bytes of a frozen expert weight ``[E, R, C]`` kept in ``fmt`` on ``rank``, scales included: its
-    ``E / d`` experts, dim 1 of each stored buffer split over the expert-data-parallel ranks as FSDP2
-    splits the trainable weights (``FrozenExpertWeight.shard_rows_``); ``rank=None``: those experts whole."""
+def _frozen_bytes(param: ParamInfo, shape: ModelShape, layout: Layout, workload: Workload, rank: int | None) -> int:
+    """Bytes of a frozen expert weight ``[E, R, C]`` kept in ``workload.frozen_experts`` on ``rank``,
+    scales included: its ``E / d`` experts, dim 1 of each stored buffer split over the expert-data-parallel
+    ranks as FSDP2 splits the trainable weights (``FrozenExpertWeight.shard_rows_``); ``rank=None``:
+    those experts whole."""
     experts, rows, cols = param.shape
     index = layout.coordinates(rank)[1] if rank is not None else 0
     parts = layout.edp if rank is not None else 1
+    fmt = workload.frozen_experts
+    assert fmt is not None
     if fmt == "fp8":
-        grid_rows, grid_cols = -(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1])
+        grid_rows, grid_cols = -(-rows // workload.fp8_block[0]), -(-cols // workload.fp8_block[1])
         per_expert = _chunk(rows, parts, index) * cols + 4 * _chunk(grid_rows, parts, index) * grid_cols
     else:  # values and scales [E, out, in / group, ...]: split on ``out``, C in GPT-OSS's [E, in, out] layout
         out, inner = (cols, rows) if shape.transposed_experts else (rows, cols)
@@ -185,7 +194,7 @@ def state_bytes(shape: ModelShape, layout: Layout, workload: Workload, rank: int
     params = grads = tensors = 0
     for p in trained(shape, workload).params:
         if not p.trainable and workload.frozen_experts and p.name.endswith(EXPERT_WEIGHTS):
-            params += _frozen_bytes(p, shape, layout, workload.frozen_experts, rank)
+            params += _frozen_bytes(p, shape, layout, workload, rank)
             continue
         held = local_numel(p, layout, rank) * workload.param_bytes
         params += held
@@ -301,7 +310,7 @@ def _peak(shape: ModelShape, layout: Layout, workload: Workload, rank: int, rows
     dequantized = b * local_experts if workload.frozen_experts else 0
     if workload.frozen_experts and layout.edp > 1:  # a weight's split bytes gathered, then reassembled
         frozen = [p for p in trained(shape, workload).params if not p.trainable and p.name.endswith(EXPERT_WEIGHTS)]
-        dequantized += 2 * max(_frozen_bytes(p, shape, layout, workload.frozen_experts, None) for p in frozen)
+        dequantized += 2 * max(_frozen_bytes(p, shape, layout, workload, None) for p in frozen)
     full = [layer_activation_bytes(shape, workload, rows, moe) + (copies if moe else 0) for moe in moe_every]
     kept = exchange_bytes(shape, layout, workload, rows) if ac == "keep_all_to_all" else 0
     saved = [t * h * residual + (kept if moe else 0) for moe in moe_every] if ac else full

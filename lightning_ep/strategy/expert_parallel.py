@@ -241,6 +241,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             replicate_degree=self.replicate_degree, device=self.root_device, precision=self.precision_plugin.precision,
             plan_batch=self.plan_batch, activation_checkpointing=ac, capacity_factor=cf, rank=r,
             lora_rank=max(expert_lora_ranks(hf_model), default=0), frozen_experts=self.frozen_experts,
+            fp8_block=published_fp8_block(hf_model),
         )  # fmt: skip
 
     @property

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import lightning_ep
 from lightning_ep import MoEConfig
+from lightning_ep.moe.quantized import FP8_BLOCK
 from lightning_ep.plan import Layout, Workload, model_shape, rank_params, state_bytes
 
 CONFIG = MoEConfig(moe_load_balancing="none", moe_z_loss_coeff=0.0, moe_aux_loss_coeff=0.0)
@@ -62,8 +63,14 @@ def check_params(rank: int, world: int, layouts: list[tuple[int, int]]) -> None:
         for model_type in ("mixtral", "gpt_oss"):
             for dtype, precision in ((torch.float32, "32-true"), (torch.bfloat16, "bf16-true")):
                 check_states(rank, world, mesh, layout, model_type, dtype, precision)
-        for fmt in (None, "fp8", "mxfp4", "nf4"):
-            check_lora_states(rank, world, mesh, layout, fmt)
+        for fmt, block in (
+            (None, FP8_BLOCK),
+            ("fp8", FP8_BLOCK),
+            ("fp8", (16, 8)),
+            ("mxfp4", FP8_BLOCK),
+            ("nf4", FP8_BLOCK),
+        ):
+            check_lora_states(rank, world, mesh, layout, fmt, block)
 
 
 def check_states(rank: int, world: int, mesh: Any, layout: Layout, model_type: str, dtype: Any, precision: str) -> None:
@@ -85,11 +92,14 @@ def check_states(rank: int, world: int, mesh: Any, layout: Layout, model_type: s
     assert plan == held, (model_type, precision, layout, rank, plan, held)
 
 
-def check_lora_states(rank: int, world: int, mesh: Any, layout: Layout, fmt: str | None) -> None:
+def check_lora_states(
+    rank: int, world: int, mesh: Any, layout: Layout, fmt: str | None, block: tuple[int, int]
+) -> None:
     """A PEFT LoRA Mixtral (rank 8 on attention and both expert weights, ``lora_workers``) with its
-    experts kept in ``fmt`` (or fp32): the bytes of the local parameters and frozen buffers, gradients
-    and AdamW states after a step equal the plan's for ``Workload(lora_rank=8, frozen_experts=fmt)``.
-    Under NF4, which groups 64 input features, the experts are 64 wide instead of 32."""
+    experts kept in ``fmt`` (or fp32; FP8 in blocks of ``block``): the bytes of the local parameters
+    and frozen buffers, gradients and AdamW states after a step equal the plan's for
+    ``Workload(lora_rank=8, frozen_experts=fmt, fp8_block=block)``. Under NF4, which groups 64 input
+    features, the experts are 64 wide instead of 32."""
     from conftest import tiny_mixtral_config
     from lora_workers import lora_config
     from peft import get_peft_model
@@ -103,7 +113,7 @@ def check_lora_states(rank: int, world: int, mesh: Any, layout: Layout, fmt: str
     model = get_peft_model(base, lora_config(r=8))
     lightning_ep.transform(model, CONFIG, mesh=mesh)
     if fmt is not None:
-        keep_frozen_experts(model, fmt)  # type: ignore[arg-type]
+        keep_frozen_experts(model, fmt, block=block)  # type: ignore[arg-type]
     lightning_ep.shard_model(model, mesh)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
@@ -113,9 +123,9 @@ def check_lora_states(rank: int, world: int, mesh: Any, layout: Layout, fmt: str
     frozen = [b for m in model.modules() if isinstance(m, FrozenExpertWeight) for b in m.buffers()]
     states = [t for state in optimizer.state.values() for t in state.values()]
     held = (_local_bytes([*model.parameters(), *frozen]), _local_bytes(p.grad for p in trainable), _local_bytes(states))
-    workload = Workload(precision="32-true", lora_rank=8, frozen_experts=fmt)  # type: ignore[arg-type]
+    workload = Workload(precision="32-true", lora_rank=8, frozen_experts=fmt, fp8_block=block)  # type: ignore[arg-type]
     plan = state_bytes(model_shape(tiny_mixtral_config(**width)), layout, workload, rank)
-    assert plan == held, ("lora", fmt, layout, rank, plan, held)
+    assert plan == held, ("lora", fmt, block, layout, rank, plan, held)
 
 
 def run_plan_checks(rank: int, world: int, layouts: list[tuple[int, int]]) -> None:

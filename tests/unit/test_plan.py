@@ -141,6 +141,9 @@ def test_lora_with_frozen_fp8_experts_fits_a_mixtral_8x7b_on_one_80_gib_gpu() ->
     assert grads == fp8_grads < shape.total_params // 100  # the adapters only
     assert optimizer == 2 * grads + 4 * sum(p.trainable for p in with_lora(shape, 16).params)
     assert mxfp4.memory.params < fp8.memory.params < 49e9  # 45.1 G experts at 1 byte, 1.6 G dense at 2, the adapters
+    # A folder's own FP8 block (llm-compressor's groups of 128: blocks of 1 x 128) holds a scale per 128 values.
+    grouped = plan_for_devices(config, **kwargs, **run, lora_rank=16, frozen_experts="fp8", fp8_block=(1, 128))  # type: ignore[arg-type]
+    assert grouped.memory.params - fp8.memory.params == 4 * (experts // 128 - experts // (128 * 128))
 
 
 def test_workload_refuses_frozen_experts_without_lora() -> None:
@@ -150,6 +153,8 @@ def test_workload_refuses_frozen_experts_without_lora() -> None:
         Workload(frozen_experts="fp8")
     with pytest.raises(ValueError, match=r"lora_rank=-1"):
         Workload(lora_rank=-1)
+    with pytest.raises(ValueError, match=r"Workload\(fp8_block=\(0, 128\)\): pass \(rows, cols\), two ints >= 1"):
+        Workload(fp8_block=(0, 128))
 
 
 def test_checkpointing_and_capacity_change_activations_as_stated() -> None:
