@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from lightning_ep.moe.collectives import all_gather_single
 from lightning_ep.moe.config import MoEConfig
 
 
@@ -75,7 +76,7 @@ def gather_counts(count: int, group: dist.ProcessGroup, device: torch.device) ->
     if device.type == "cuda":  # a pinned copy, so that only the read of the result waits
         mine = mine.pin_memory().to(device, non_blocking=True)
     every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    all_gather_single(every, mine, group=group)
     return every.tolist()
 
 

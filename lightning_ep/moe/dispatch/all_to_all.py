@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from lightning_ep.moe.collectives import all_gather_single
 from lightning_ep.moe.dispatch.base import Dispatched, Dispatcher, expert_layout
 from lightning_ep.moe.dispatch.comm import all_to_all, finish_all_to_all, start_all_to_all
 from lightning_ep.moe.dispatch.rows import (
@@ -158,7 +159,7 @@ class AllToAllDispatcher(Dispatcher):
             dist.all_to_all_single(recv_DC, sent_DC, group=self.group)
         else:
             all_DDC = torch.empty((D * D, C), dtype=sent_DC.dtype, device=sent_DC.device)
-            dist.all_gather_into_tensor(all_DDC, sent_DC, group=self.group)
+            all_gather_single(all_DDC, sent_DC, group=self.group)
             recv_DC = all_DDC.view(D, D, C)[:, self.rank]
             loads = [all_DDC.view(D, D, C)[:, :, :L].sum(dim=(0, 2))]  # rows arriving at each rank
         recv_DL = recv_DC[:, :L]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from lightning_ep.moe.collectives import all_gather_single
 from lightning_ep.moe.dispatch.rows import gather_rows, inverse_permutation, sort_by_expert, weighted_unsort
 from lightning_ep.moe.layout import Layout
 
@@ -146,7 +147,7 @@ def gather_counts(counts_E: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     """Every rank's pairs per expert, ``[D, E]`` on the device (no host sync)."""
     world = dist.get_world_size(group)
     flat = counts_E.new_empty(world * counts_E.numel())  # gloo gathers into a flat tensor only
-    dist.all_gather_into_tensor(flat, counts_E, group=group)
+    all_gather_single(flat, counts_E, group=group)
     return flat.view(world, -1)
 
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ep.moe.collectives import all_gather_single, reduce_scatter_single
+
 
 def all_to_all(
     x: torch.Tensor,
@@ -90,7 +92,7 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
 def _gather_raw(x: torch.Tensor, group: Any) -> torch.Tensor:
     world = dist.get_world_size(group)
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -99,7 +101,7 @@ def _reduce_scatter_raw(x: torch.Tensor, group: Any) -> torch.Tensor:
     if x.shape[0] % world:
         raise RuntimeError(f"reduce_scatter_rows: {x.shape[0]} rows do not split evenly over {world} ranks.")
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_single(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
     return out
 
 

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_ep.moe.collectives import all_gather_single
 from lightning_ep.moe.quantized import (
     FP8_BLOCK,
     MXFP4_GROUP,
@@ -383,7 +384,7 @@ def _gather_rows(
         slot = send[offset : offset + nbytes].view(block.dtype).view(block.shape[0], chunk, *block.shape[2:])
         slot[:, : block.shape[1]].copy_(block)
     received = torch.empty(size * total, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(received, send, group=group)
+    all_gather_single(received, send, group=group)
     shares = received.view(size, total)
     out = {}
     for name, block in held.items():
