@@ -52,10 +52,11 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
 
     - per-expert keys (Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``) or fused ones, named and
       fused by transformers' conversion rules for the model (``hf_layout``);
-    - FP8 weights with ``weight_scale_inv`` or ``weight_scale`` (per tensor, row, group or block) and
-      MXFP4 experts (``*_blocks`` / ``*_scales``), dequantized on the rank that owns the block into the
-      model's dtype, at most ``CHUNK_BYTES`` of rows at a time (other quantized formats are refused
-      by name: ``hf_stored.check_readable``);
+    - FP8 weights with ``weight_scale_inv`` or ``weight_scale`` (per tensor, row, group or block),
+      MXFP4 experts (``*_blocks`` / ``*_scales``) and bitsandbytes 4-bit weights (``*.absmax``,
+      ``*.quant_state.*``), dequantized on the rank that owns the block into the model's dtype, at
+      most ``CHUNK_BYTES`` of rows at a time (other quantized formats are refused by name:
+      ``hf_stored.check_readable``);
     - weights transformers ignores for the architecture (multi-token-prediction layers, the class's
       ``_keys_to_ignore_on_load_unexpected``): skipped, and named in one warning on rank 0.
 

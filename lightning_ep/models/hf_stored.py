@@ -1,5 +1,5 @@
 """How a Hugging Face folder stores its tensors (``Stored``), read one block at a time (``Opener``),
-and their encodings (``Plain``, ``BlockFP8``, ``MXFP4``; the formats are in ``moe.quantized``).
+and their encodings (``Plain``, ``BlockFP8``, ``MXFP4``, ``BNB4``; the formats are in ``moe.quantized``).
 
 The quantized folders read (``check_readable`` refuses the others before any tensor is read):
 ``quant_method`` ``"fp8"`` (transformers' block-scaled ``weight_scale_inv``, or AutoFP8's per-tensor
@@ -281,8 +281,8 @@ def check_readable(quant: Mapping[str, Any], folder: Path) -> None:
         f"load_pretrained_sharded: {folder} is quantized with quant_method={method!r}"
         + (f" ({detail})" if detail else "")
         + ", which this loader does not read: it reads FP8 weights (weight_scale_inv or weight_scale: per "
-        "tensor, row, group or block) and MXFP4 experts. Start from the publisher's bf16 or FP8 release; to "
-        "hold the experts in 4 bits while LoRA trains, load it with "
+        "tensor, row, group or block), MXFP4 experts and bitsandbytes' 4-bit weights. Start from the "
+        "publisher's bf16 or FP8 release; to hold the experts in 4 bits while LoRA trains, load it with "
         "ExpertParallelStrategy(frozen_experts='nf4') (or 'mxfp4')."
     )
 
