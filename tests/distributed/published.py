@@ -14,8 +14,9 @@
   without ``weight_block_size``.
 - ``write_bnb4``: a bitsandbytes ``load_in_4bit`` release (as transformers 4.x saved Mixtral and
   Qwen-MoE with per-expert linear layers): every linear weight of the decoder layers, routers included,
-  quantized by bitsandbytes' own ``quantize_4bit`` (NF4 or FP4, blocks of 64, double quantization)
-  and saved as its ``Linear4bit`` saves it (``QuantState.as_dict(packed=True)`` beside the bytes).
+  quantized as bitsandbytes' ``quantize_4bit`` quantizes it (NF4 or FP4, blocks of 64, double
+  quantization; ``bnb4_quantize``, held to bitsandbytes' own bytes in ``tests/data``) and saved as
+  its ``Linear4bit`` saves it (the state packed beside the bytes).
 - ``write_mxfp4``: GPT-OSS's release format: the experts as ``*_blocks`` (two E2M1 values per
   byte, low nibble first) and ``*_scales`` (E8M0 per 32 values), ``[E, out, in/32, 16]``.
 - ``add_mtp_layer``: the multi-token-prediction layer DeepSeek-V3 and GLM-4.5 ship as
@@ -239,6 +240,83 @@ def write_autofp8(model: nn.Module, folder: Path, *, shards: int = 2) -> Path:
 # bitsandbytes 4-bit
 # --------------------------------------------------------------------------------------------
 
+#: bitsandbytes' own output for one weight (``tests/data/make_bnb4_reference.py``): its bytes, state
+#: and dequantization, and its 4-bit and 8-bit maps, which ``write_bnb4`` quantizes with.
+BNB4_REFERENCE = Path(__file__).resolve().parents[1] / "data" / "bnb4_reference.safetensors"
+
+
+def bnb4_reference() -> dict[str, torch.Tensor]:
+    with safe_open(str(BNB4_REFERENCE), framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}
+
+
+def bnb4_quantize(
+    w: torch.Tensor, quant_type: str = "nf4", block: int = 64, double: bool = True
+) -> dict[str, torch.Tensor]:
+    """``w`` quantized as bitsandbytes' ``quantize_4bit`` quantizes it and saved as its ``Linear4bit``
+    saves it, under ``weight`` and ``weight.<state>`` (``tests/unit/test_published_layouts.py`` checks
+    this equals bitsandbytes' own bytes): the flattened weight in blocks of ``block``, each scaled by
+    ``1 / absmax`` and given the index of the bucket of the sorted 4-bit map its value falls in, two
+    indices a byte (the first in the high nibble); with ``double``, the absmax less their mean in
+    blocks of 256, each value the nearest of the 8-bit dynamic map after scaling by its block's amax."""
+    reference = bnb4_reference()
+    table = reference[f"{quant_type}_double.weight.quant_map"]
+    flat = w.reshape(-1).float()
+    full = flat.numel() // block * block  # whole blocks, then a partial one (divided, not multiplied)
+    blocks = flat[:full].unflatten(0, (-1, block))
+    absmax = blocks.abs().amax(dim=1)
+    scaled = (blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp(-1, 1).reshape(-1)
+    if full < flat.numel():
+        last = flat[full:].abs().max().clamp(min=1e-38)
+        absmax, scaled = torch.cat([absmax, last[None]]), torch.cat([scaled, (flat[full:] / last).clamp(-1, 1)])
+    if scaled.numel() % 2:
+        scaled = torch.cat([scaled, scaled.new_zeros(1)])
+    order = torch.argsort(table)
+    sorted_table = table[order]
+    index = order[torch.bucketize(scaled, (sorted_table[:-1] + sorted_table[1:]) / 2)].to(torch.uint8)
+    state: dict[str, object] = {
+        "quant_type": quant_type,
+        "blocksize": block,
+        "dtype": str(w.dtype).removeprefix("torch."),
+        "shape": list(w.shape),
+    }
+    out = {"weight": ((index[0::2] << 4) | index[1::2]).unsqueeze(1), "weight.quant_map": table}
+    if double:
+        nested_map = reference["nf4_double.weight.nested_quant_map"]
+        offset = absmax.mean()
+        centred = absmax - offset
+        groups = [centred[i : i + 256] for i in range(0, centred.numel(), 256)]
+        nested_absmax = torch.stack([g.abs().max() for g in groups])
+        codes = torch.cat([(g / m)[:, None].sub(nested_map).abs().argmin(dim=1) for g, m in zip(groups, nested_absmax)])
+        out["weight.absmax"] = codes.to(torch.uint8)
+        out["weight.nested_absmax"], out["weight.nested_quant_map"] = nested_absmax, nested_map
+        state.update(nested_blocksize=256, nested_dtype="float32", nested_offset=offset.item())
+    else:
+        out["weight.absmax"] = absmax
+    out[f"weight.quant_state.bitsandbytes__{quant_type}"] = torch.tensor(
+        list(json.dumps(state).encode()), dtype=torch.uint8
+    )
+    return out
+
+
+def bnb4_dequantize_by_hand(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """bitsandbytes' 4-bit weight ``key`` of ``tensors`` dequantized from its format as documented:
+    value ``i`` is ``quant_map[index i] * absmax[i // blocksize]`` (index ``2 j`` the high nibble of byte
+    ``j``), a double-quantized absmax ``b`` being ``nested_quant_map[code b] * nested_absmax[b // 256]
+    + offset``; fp32 products, as bitsandbytes' kernels compute them."""
+    state_key = next(k for k in tensors if k.startswith(f"{key}.quant_state.bitsandbytes__"))
+    state = json.loads(bytes(tensors[state_key].tolist()).decode())
+    absmax = tensors[f"{key}.absmax"]
+    if "nested_offset" in state:
+        blocks = torch.arange(absmax.numel()) // state["nested_blocksize"]
+        scaled = tensors[f"{key}.nested_quant_map"][absmax.long()] * tensors[f"{key}.nested_absmax"][blocks]
+        absmax = scaled + torch.tensor(state["nested_offset"], dtype=torch.float32)
+    count = math.prod(state["shape"])
+    packed = tensors[key].reshape(-1).long()
+    indices = torch.stack((packed >> 4, packed & 15), dim=1).reshape(-1)[:count]
+    values = tensors[f"{key}.quant_map"][indices] * absmax[torch.arange(count) // state["blocksize"]]
+    return values.reshape(state["shape"])
+
 
 def _bnb_target(key: str, tensor: torch.Tensor) -> bool:
     """The weights transformers' ``load_in_4bit`` quantizes: every linear layer's but the head's."""
@@ -249,15 +327,12 @@ def write_bnb4(
     model: nn.Module, folder: Path, *, quant_type: str = "nf4", double: bool = True, shards: int = 2
 ) -> Path:
     """``model`` saved as a bitsandbytes 4-bit release (see the module docstring); returns ``folder``."""
-    import bitsandbytes.functional as bnb_f
-
     model.save_pretrained(folder)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in read_folder(folder).items():
         if _bnb_target(key, tensor):
-            packed, state = bnb_f.quantize_4bit(tensor, blocksize=64, quant_type=quant_type, compress_statistics=double)
-            out[key] = packed
-            out.update({f"{key}.{name}": value for name, value in state.as_dict(packed=True).items()})
+            quantized = bnb4_quantize(tensor, quant_type, double=double)
+            out.update({key + name.removeprefix("weight"): value for name, value in quantized.items()})
         else:
             out[key] = tensor
     write_shards(out, folder, shards)
@@ -276,21 +351,15 @@ def write_bnb4(
 
 
 def bnb4_dequantized(folder: Path) -> dict[str, torch.Tensor]:
-    """The folder's tensors in fp32 under their stored names, its 4-bit weights dequantized by
-    bitsandbytes' own ``dequantize_4bit`` from the state as its ``Linear4bit`` loads it. Rows must be
-    whole blocks: bitsandbytes' CPU kernel (0.50) keeps blocks within rows where its CUDA one, and
-    the releases, run them over the flattened weight."""
-    import bitsandbytes.functional as bnb_f
-
+    """The folder's tensors in fp32 under their stored names, its 4-bit weights dequantized by hand
+    (``bnb4_dequantize_by_hand``)."""
     state = read_folder(folder)
     weights = [k[: -len(".quant_state.bitsandbytes__nf4")] for k in state if k.endswith(("__nf4", "__fp4"))]
-    out = {}
-    for key in weights:
-        parts = {k[len(key) + 1 :]: v for k, v in state.items() if k.startswith(key + ".")}
-        quant_state = bnb_f.QuantState.from_dict(parts, torch.device("cpu"))
-        assert quant_state.shape[-1] % quant_state.blocksize == 0, (key, quant_state.shape)
-        out[key] = bnb_f.dequantize_4bit(state[key], quant_state).float()
-    return {**{k: v.float() for k, v in state.items() if not any(k.startswith(w) for w in weights)}, **out}
+    out = {key: bnb4_dequantize_by_hand(state, key) for key in weights}
+    return {
+        **{k: v.float() for k, v in state.items() if not any(k.startswith(w + ".") or k == w for w in weights)},
+        **out,
+    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from conftest import tiny_mixtral
 from families_workers import micro_batch, tiny_family
 from lora_workers import lora_config, tiny_base, tiny_peft
 from published import (
+    bnb4_dequantize_by_hand,
     fp8_dequantize_by_hand,
     mxfp4_dequantize_by_hand,
     read_folder,
@@ -418,10 +419,9 @@ def test_a_per_row_fp8_folder_is_requantized_into_blocks(tmp_path: Path) -> None
 def test_bitsandbytes_nf4_folder_is_copied_byte_for_byte(tmp_path: Path) -> None:
     """bitsandbytes' NF4 (blocks of 64 along the input features, double-quantized absmax) is this
     library's NF4 with the nibbles of a byte the other way round and the absmax expanded to fp32: the
-    codes are copied, the absmax computed as bitsandbytes computes them, and the experts equal
-    bitsandbytes' own dequantization bit for bit, with no warning. FP4 is quantized again."""
-    import bitsandbytes.functional as bnb_f
-
+    codes are copied, the absmax computed as bitsandbytes computes them, and the experts equal the
+    dequantization by hand (bitsandbytes' own, ``test_published_layouts``) bit for bit, with no
+    warning. FP4 is quantized again."""
     folder = write_bnb4(tiny_mixtral(3, intermediate_size=64), tmp_path / "bnb")
     stored = read_folder(folder)
     with warnings.catch_warnings():
@@ -430,24 +430,21 @@ def test_bitsandbytes_nf4_folder_is_copied_byte_for_byte(tmp_path: Path) -> None
     weights = frozen_weights(model)
     assert len(weights) == 4
     for name, frozen in weights.items():
-        codes, absmax, values = [], [], []
+        codes, values = [], []
         for e in range(frozen.shape[0]):
             layer, weight = name.split(".")[2], name.rpartition(".")[2]
-            prefix = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
             for part in MIXTRAL_PARTS[weight]:
-                key = f"{prefix}.{part}.weight"
-                state = bnb_f.QuantState.from_dict(
-                    {k[len(key) + 1 :]: v for k, v in stored.items() if k.startswith(key + ".")}, torch.device("cpu")
-                )
-                rows, cols = state.shape
+                key = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{part}.weight"
+                rows, cols = bnb4_dequantize_by_hand(stored, key).shape
                 byte = stored[key].reshape(rows, cols // 64, 32)
                 codes.append((byte & 15) << 4 | byte >> 4)  # our order: the first value in the low nibble
-                absmax.append((bnb_f.dequantize_blockwise(state.absmax, state.state2) + state.offset).reshape(rows, -1))
-                values.append(bnb_f.dequantize_4bit(stored[key], state))
-        n = frozen.shape[0]
-        assert torch.equal(frozen.stored()["codes"], torch.cat(codes).reshape(n, -1, *codes[0].shape[1:])), name
-        assert torch.equal(frozen.stored()["absmax"], torch.cat(absmax).reshape(n, -1, absmax[0].shape[1])), name
-        assert torch.equal(frozen.dequantize(torch.float32), torch.cat(values).reshape(n, -1, values[0].shape[1])), name
+                values.append(bnb4_dequantize_by_hand(stored, key))
+        experts = frozen.shape[0]
+        assert torch.equal(frozen.stored()["codes"], torch.cat(codes).reshape(experts, -1, *codes[0].shape[1:])), name
+        expected = torch.cat(values).reshape(experts, -1, values[0].shape[1])
+        assert torch.equal(frozen.dequantize(torch.float32), expected), name
+        groups = expected.unflatten(-1, (-1, 64)).abs().amax(dim=-1)  # an NF4 group's largest |value| is its absmax
+        assert torch.equal(frozen.stored()["absmax"], groups), name
     fp4 = write_bnb4(tiny_mixtral(3, intermediate_size=64), tmp_path / "fp4", quant_type="fp4")
     with pytest.warns(UserWarning, match=r"quantized otherwise than the model keeps them \(nf4\)"):
         load_pretrained_sharded(_meta_frozen("mixtral", "nf4", intermediate_size=64), fp4)

@@ -22,8 +22,8 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -40,8 +40,12 @@ from lightning_ep.moe.quantized import dequantize_fp8_block, dequantize_mxfp4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import FAMILY_NAMES, micro_batch, rel_err, tiny_family
 from published import (
+    BNB4_REFERENCE,
     add_mtp_layer,
+    bnb4_dequantize_by_hand,
     bnb4_dequantized,
+    bnb4_quantize,
+    bnb4_reference,
     dequantized_by_hand,
     edit_config,
     fp8_dequantize_by_hand,
@@ -270,9 +274,9 @@ def test_fp8_in_e5m2_is_read_as_e5m2(tmp_path: Path) -> None:
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
 def test_bitsandbytes_4bit_release(tmp_path: Path, model_type: str, quant_type: str, double: bool) -> None:
     """A ``load_in_4bit`` release (unsloth's and others' ``*-bnb-4bit`` of Mixtral and Qwen-MoE, saved
-    when the experts were linear layers): every linear weight, routers included, equals bitsandbytes'
-    own dequantization bit for bit (both compute ``quant_map[i] * absmax`` in fp32, the double-quantized
-    absmax too)."""
+    when the experts were linear layers): every linear weight, routers included, equals the
+    dequantization by hand (which equals bitsandbytes' own: ``test_bitsandbytes_format_equals_its_own_output``)
+    bit for bit."""
     if model_type == "mixtral":
         build = functools.partial(tiny_family_mixtral, intermediate_size=64)
     else:
@@ -289,46 +293,54 @@ def test_bitsandbytes_4bit_release(tmp_path: Path, model_type: str, quant_type: 
     assert_same_logits(model, reference)
 
 
-def test_bitsandbytes_blocks_run_over_the_flattened_weight() -> None:
-    """bitsandbytes cuts the flattened ``[R, C]`` weight into blocks of 64 (a block spans two rows of
-    32 here, and the last is partial): any box of rows and columns equals a dequantization by loops."""
-    import bitsandbytes.functional as bnb_f
+BNB4_VARIANTS = {"nf4_double": ("nf4", 64, True), "nf4_double_32": ("nf4", 32, True), "nf4_single": ("nf4", 64, False)}
+BNB4_VARIANTS["fp4_double"] = ("fp4", 64, True)
 
-    from lightning_ep.models.hf_stored import BNB4, Opener, Stored
+
+@pytest.mark.parametrize("variant", list(BNB4_VARIANTS))
+def test_bitsandbytes_format_equals_its_own_output(tmp_path: Path, variant: str) -> None:
+    """bitsandbytes' own bytes, state and dequantization of one weight (``tests/data``): the test
+    folders' writer reproduces the bytes and state exactly, and every box of rows and columns the
+    loader reads equals bitsandbytes' dequantization bit for bit, as does the dequantization by hand."""
+    from lightning_ep.models.hf_stored import Opener, encode, stored_tensors
+
+    reference = bnb4_reference()
+    quant_type, block, double = BNB4_VARIANTS[variant]
+    mine = bnb4_quantize(reference["source"].float(), quant_type, block, double)
+    for name, value in mine.items():
+        assert torch.equal(value, reference[f"{variant}.{name}"]), name
+    theirs = reference[f"{variant}.dequantized"]
+    assert torch.equal(bnb4_dequantize_by_hand(reference, f"{variant}.weight"), theirs)
+    shutil.copy(BNB4_REFERENCE, tmp_path / "model.safetensors")
+    encoded, _ = encode(stored_tensors(tmp_path), {"quant_method": "bitsandbytes", "load_in_4bit": True})
+    weight = encoded[f"{variant}.weight"]
+    assert weight.shape == (72, 128)
+    opener = Opener()
+    for r0, r1, c0, c1 in [(0, 72, 0, 128), (1, 2, 0, 128), (3, 71, 5, 99), (71, 72, 127, 128), (2, 40, 0, 1)]:
+        box = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
+        assert torch.equal(box, theirs[r0:r1, c0:c1]), (r0, r1, c0, c1)
+    opener.close()
+
+
+def test_bitsandbytes_blocks_run_over_the_flattened_weight(tmp_path: Path) -> None:
+    """bitsandbytes cuts the flattened ``[R, C]`` weight into blocks (here of 64 over rows of 40: a
+    block spans two rows, the last is partial, the absmax need two blocks of 256): any box of rows and
+    columns equals the dequantization by hand."""
+    from safetensors.torch import save_file
+
+    from lightning_ep.models.hf_stored import Opener, encode, stored_tensors
 
     torch.manual_seed(0)
-    w = torch.randn(45, 32) * torch.logspace(-2, 1, 45)[:, None]  # 1440 values: 22.5 blocks
-    packed, state = bnb_f.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
-    absmax = bnb_f.dequantize_blockwise(state.absmax, state.state2) + state.offset
-    codes = torch.stack((packed.reshape(-1) >> 4, packed.reshape(-1) & 15), dim=1).reshape(-1)
-    by_hand = torch.empty(w.numel())
-    for i in range(w.numel()):
-        by_hand[i] = state.code[int(codes[i])] * absmax[i // 64]
-    by_hand = by_hand.reshape(45, 32)
-    folder = {
-        "w": packed,
-        "w.absmax": state.absmax,
-        "w.nested_absmax": state.state2.absmax,
-        "w.nested_quant_map": state.state2.code,
-        "w.quant_map": state.code,
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in folder.items()}, f"{tmp}/m.safetensors")
-        stored = {
-            k: Stored(Path(tmp, "m.safetensors"), k, tuple(v.shape), "U8" if v.dtype == torch.uint8 else "F32")
-            for k, v in folder.items()
-        }
-        weight = BNB4(
-            stored["w"], stored["w.absmax"], (45, 32), "nf4", 64, tuple(state.code.tolist()),
-            (stored["w.nested_absmax"], stored["w.nested_quant_map"]), 256, float(state.offset),
-        )  # fmt: skip
-        opener = Opener()
-        for r0, r1, c0, c1 in [(0, 45, 0, 32), (1, 2, 0, 32), (3, 44, 5, 29), (44, 45, 31, 32), (2, 4, 0, 1)]:
-            block = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
-            assert torch.equal(block, by_hand[r0:r1, c0:c1]), (r0, r1, c0, c1)
-        opener.close()
+    w = torch.randn(423, 40) * torch.logspace(-2, 1, 423)[:, None]  # 16920 values: 264.4 blocks of 64
+    tensors = {"w" + k.removeprefix("weight"): v for k, v in bnb4_quantize(w).items()}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "model.safetensors")
+    by_hand = bnb4_dequantize_by_hand(tensors, "w")
+    weight = encode(stored_tensors(tmp_path), {})[0]["w"]
+    opener = Opener()
+    for r0, r1, c0, c1 in [(0, 423, 0, 40), (1, 2, 0, 40), (3, 420, 5, 29), (422, 423, 39, 40), (409, 423, 0, 1)]:
+        block = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
+        assert torch.equal(block, by_hand[r0:r1, c0:c1]), (r0, r1, c0, c1)
+    opener.close()
 
 
 def test_autofp8_static_per_tensor_release(tmp_path: Path) -> None:
