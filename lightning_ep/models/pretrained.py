@@ -44,12 +44,26 @@ def from_pretrained(folder: str | Path, **config_overrides: Any) -> nn.Module:
 
 
 def published_fp8_block(model: nn.Module) -> tuple[int, int]:
-    """The FP8 block of the folder ``model`` is marked to load from, when that folder ships block- or
-    group-scaled FP8 weights (``weight_block_size``, or compressed-tensors' ``block_structure`` /
-    ``group_size``); else ``moe.quantized.FP8_BLOCK`` (which also holds per-tensor scales exactly)."""
+    """The FP8 block that keeps the scales of the folder ``model`` is marked to load from, for its
+    routed experts kept in FP8 (``frozen_experts="fp8"``): the folder's blocks or groups
+    (``weight_block_size``, or compressed-tensors' ``block_structure`` / ``group_size``), one row
+    (``1 x`` the widest expert input) where it scales each row (compressed-tensors' ``channel``
+    strategy, FBGEMM's FP8); else ``moe.quantized.FP8_BLOCK`` (which holds per-tensor scales exactly)."""
     from lightning_ep.models.hf_stored import fp8_blocks, quantization_config
     from lightning_ep.moe.quantized import FP8_BLOCK
 
     folder = getattr(model, PRETRAINED_ATTR, None)
-    blocks = fp8_blocks(quantization_config(Path(folder))) if folder is not None else []
-    return blocks[0] if blocks else FP8_BLOCK
+    quant = quantization_config(Path(folder)) if folder is not None else {}
+    blocks = fp8_blocks(quant)
+    if blocks:
+        return blocks[0]
+    groups = (quant.get("config_groups") or {}).values()
+    per_row = quant.get("quant_method") == "fbgemm_fp8" or any(
+        (g.get("weights") or {}).get("strategy") == "channel" for g in groups
+    )
+    widths = [
+        int(t.shape[-1])
+        for name, t in [*model.named_parameters(), *model.named_modules()]
+        if name.rpartition(".")[2] in ("gate_up_proj", "down_proj") and len(getattr(t, "shape", ())) == 3
+    ]
+    return (1, max(widths)) if per_row and widths else FP8_BLOCK

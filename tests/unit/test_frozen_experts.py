@@ -390,11 +390,22 @@ def test_fp8_folder_with_coarser_scales_is_copied_byte_for_byte(
         assert torch.equal(frozen.dequantize(torch.float32), torch.stack(expected)), name
 
 
-def test_a_per_row_fp8_folder_is_requantized_into_blocks(tmp_path: Path) -> None:
-    """compressed-tensors' per-row scales (FP8-dynamic releases) do not carry into blocks of rows: the
-    values are read exactly, quantized into blocks of 16 and the one warning says so."""
+def test_a_per_row_fp8_folder_is_copied_into_rows_and_requantized_into_blocks(tmp_path: Path) -> None:
+    """compressed-tensors' per-row scales (FP8-dynamic releases) carry into blocks of one row as wide
+    as the widest expert input (the strategy's choice for such a folder): copied byte for byte. Into
+    blocks of 16 rows they do not: the values are read exactly, quantized into blocks of 16 and the one
+    warning says so."""
     folder = write_compressed_fp8(tiny_base("mixtral"), tmp_path / "ct", "channel")
     stored = read_folder(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = load_pretrained_sharded(_meta_frozen("mixtral", "fp8", (1, 64)), folder)
+    for name, frozen in frozen_weights(rows).items():
+        for e in range(frozen.shape[0]):
+            data = torch.cat(mixtral_parts(stored, name, e)).view(torch.uint8)
+            scales = torch.cat(mixtral_parts(stored, name, e, "_scale")).float()
+            assert torch.equal(frozen.stored()["data"][e], data), (name, e)
+            assert torch.equal(frozen.stored()["scale_inv"][e], scales), (name, e)
     model = _meta_frozen("mixtral", "fp8", (16, 16))
     with pytest.warns(
         UserWarning, match=r"quantized otherwise than the model keeps them \(fp8, blocks of \[16, 16\]\)"
@@ -558,9 +569,9 @@ def test_the_strategy_keeps_an_fp8_folder_s_own_blocks(tmp_path: Path) -> None:
     write_fp8(tiny_family("deepseek_v3"), tmp_path / "fp8", block=(16, 16))
     tiny_base("mixtral").save_pretrained(tmp_path / "plain")
     assert published_fp8_block(from_pretrained(tmp_path / "fp8")) == (16, 16)
-    # compressed-tensors' blocks and groups (a group is a block of one row); per-row and per-tensor
-    # scales name no block.
-    for strategy, block in [("block", (32, 32)), ("group", (1, 16)), ("channel", (128, 128)), ("tensor", (128, 128))]:
+    # compressed-tensors' blocks and groups (a group is a block of one row), its rows (a block of one row
+    # as wide as the widest expert input, 64: hidden 64, intermediate 32); one scale per tensor fits 128.
+    for strategy, block in [("block", (32, 32)), ("group", (1, 16)), ("channel", (1, 64)), ("tensor", (128, 128))]:
         write_compressed_fp8(tiny_base("mixtral"), tmp_path / strategy, strategy, group=16, block=(32, 32))
         assert published_fp8_block(from_pretrained(tmp_path / strategy)) == block, strategy
     write_autofp8(tiny_base("mixtral"), tmp_path / "autofp8")
