@@ -1,12 +1,14 @@
 """How a Hugging Face folder stores its tensors (``Stored``), read one block at a time (``Opener``),
-and their encodings (``Plain``, ``BlockFP8``, ``MXFP4``, ``BNB4``; the formats are in ``moe.quantized``).
+and their encodings (``Plain``, ``BlockFP8``, ``MXFP4``, ``BNB4``, ``GPTQ``; the formats are in
+``moe.quantized``).
 
 The quantized folders read (``check_readable`` refuses the others before any tensor is read):
 ``quant_method`` ``"fp8"`` (transformers' block-scaled ``weight_scale_inv``, or AutoFP8's per-tensor
 ``weight_scale``), ``"mxfp4"``, ``"fbgemm_fp8"`` (per-row ``weight_scale``), ``"modelopt"`` with
 ``quant_algo`` ``"FP8"``, ``"compressed-tensors"`` whose weights are 8-bit floats
-(``float-quantized``: per tensor, channel, group or block), and ``"bitsandbytes"`` in 4 bits (NF4 or
-FP4, with or without double quantization, stored in uint8)."""
+(``float-quantized``: per tensor, channel, group or block), ``"bitsandbytes"`` in 4 bits (NF4 or
+FP4, with or without double quantization, stored in uint8), and ``"gptq"`` in 2, 4 or 8 bits
+(``checkpoint_format`` ``"gptq"`` or ``"gptq_v2"``, act-order included)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ from lightning_ep.moe.quantized import (
     bnb_nested_absmax,
     dequantize_bnb4,
     dequantize_fp8_block,
+    dequantize_gptq,
     dequantize_mxfp4,
+    unpack_int32,
 )
 
 SINGLE_FILE = "model.safetensors"
@@ -42,6 +46,7 @@ FLOAT8_FORMATS = ("float-quantized", "naive-quantized")
 # A bitsandbytes 4-bit weight `x.weight` has its state beside it: `x.weight.absmax`, `x.weight.quant_map`
 # (and `x.weight.nested_absmax`, `x.weight.nested_quant_map` when double-quantized) and the JSON rest
 # packed in `x.weight.quant_state.bitsandbytes__nf4` (or `__fp4`).
+GPTQ_PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")  # a GPTQ layer `x` stores `x.qweight` and these
 BNB_STATE = ".quant_state.bitsandbytes__"
 BNB_PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", BNB_STATE + "nf4", BNB_STATE + "fp4")
 
@@ -210,7 +215,47 @@ class BNB4:
         return values[first - e0 : stop - e0].reshape(-1, width)[:, cols].to(dtype)
 
 
-Encoded = Plain | BlockFP8 | MXFP4 | BNB4
+@dataclass(frozen=True)
+class GPTQ:
+    """A GPTQ linear weight ``[out, in]`` (``moe.quantized``): ``qweight``, ``qzeros``, ``scales`` and
+    ``g_idx`` (``None``: input ``i`` in group ``i // group``), ``bits`` a value, the zero points stored
+    less one unless ``gptq_v2``."""
+
+    qweight: Stored
+    qzeros: Stored
+    scales: Stored
+    g_idx: Stored | None
+    bits: int
+    group: int
+    stored_minus_one: bool
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        rows, out = self.qweight.shape
+        return (out, rows * 32 // self.bits)
+
+    @property
+    def stored(self) -> tuple[Stored, ...]:
+        return (self.qweight, self.qzeros, self.scales, *((self.g_idx,) if self.g_idx else ()))
+
+    def read(self, opener: Opener, box: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
+        outs, ins = box
+        per = 32 // self.bits  # values an int32
+        k0, j0 = ins.start // per, outs.start // per
+        packed = opener.read(self.qweight, (slice(k0, -(-ins.stop // per)), outs))
+        q = unpack_int32(packed, self.bits, 0)[ins.start - k0 * per : ins.stop - k0 * per]  # [in, out]
+        groups_count = self.scales.shape[0]
+        zeros = opener.read(self.qzeros, (slice(0, groups_count), slice(j0, -(-outs.stop // per))))
+        zeros = unpack_int32(zeros, self.bits, 1)[:, outs.start - j0 * per : outs.stop - j0 * per]
+        scales = opener.read(self.scales, (slice(0, groups_count), outs))
+        if self.g_idx is not None:
+            groups = opener.read(self.g_idx, (ins,))
+        else:
+            groups = torch.arange(ins.start, ins.stop) // self.group
+        return dequantize_gptq(q, zeros, scales, groups, self.stored_minus_one, self.bits).to(dtype)
+
+
+Encoded = Plain | BlockFP8 | MXFP4 | BNB4 | GPTQ
 
 
 def stored_tensors(folder: Path) -> dict[str, Stored]:
@@ -250,7 +295,13 @@ def check_readable(quant: Mapping[str, Any], folder: Path) -> None:
     if method is None or method in ("fp8", "mxfp4", "fbgemm_fp8"):
         return
     detail = None
-    if method == "bitsandbytes":
+    if method == "gptq":
+        form = quant.get("checkpoint_format") or "gptq"
+        if quant.get("bits") not in (2, 4, 8):
+            detail = f"{quant.get('bits')}-bit"
+        elif form not in ("gptq", "gptq_v2"):
+            detail = f"checkpoint_format={form!r}"
+    elif method == "bitsandbytes":
         storage = quant.get("bnb_4bit_quant_storage") or "uint8"
         if quant.get("load_in_8bit") or not quant.get("load_in_4bit"):
             detail = "8-bit (LLM.int8)"
@@ -281,7 +332,8 @@ def check_readable(quant: Mapping[str, Any], folder: Path) -> None:
         f"load_pretrained_sharded: {folder} is quantized with quant_method={method!r}"
         + (f" ({detail})" if detail else "")
         + ", which this loader does not read: it reads FP8 weights (weight_scale_inv or weight_scale: per "
-        "tensor, row, group or block), MXFP4 experts and bitsandbytes' 4-bit weights. Start from the "
+        "tensor, row, group or block), MXFP4 experts, bitsandbytes' 4-bit and GPTQ's 2, 4 and 8-bit weights. "
+        "Start from the "
         "publisher's bf16 or FP8 release; to hold the experts in 4 bits while LoRA trains, load it with "
         "ExpertParallelStrategy(frozen_experts='nf4') (or 'mxfp4')."
     )
@@ -311,9 +363,14 @@ def encode(tensors: Mapping[str, Stored], quant: Mapping[str, Any]) -> tuple[dic
     blocks = fp8_blocks(quant)
     with closing(Opener()) as opener:
         bnb = {key: _bnb4(key, tensors, opener) for key in tensors if _bnb_state_key(key, tensors) is not None}
+    gptq = {k[: -len(".qweight")] for k in tensors if k.endswith(".qweight") and quant.get("quant_method") == "gptq"}
     for key, stored in tensors.items():
         if _fp8_scale_of(key, tensors) is not None or _bnb_part_of(key, bnb) is not None:
             continue  # read with its weight
+        if any(key.endswith(p) and key[: -len(p)] in gptq for p in GPTQ_PARTS):
+            if key.endswith(".qweight"):
+                encoded[key[: -len(".qweight")] + ".weight"] = _gptq(key[: -len(".qweight")], tensors, quant)
+            continue
         if key in bnb:
             encoded[key] = bnb[key]
             continue
@@ -336,6 +393,26 @@ def encode(tensors: Mapping[str, Stored], quant: Mapping[str, Any]) -> tuple[dic
         else:
             encoded[key] = Plain(stored)
     return encoded, activation_scales
+
+
+def _gptq(layer: str, tensors: Mapping[str, Stored], quant: Mapping[str, Any]) -> GPTQ:
+    """``layer``'s GPTQ weight, its parts checked against each other."""
+    bits, group = int(quant["bits"]), int(quant.get("group_size") or -1)
+    qweight = tensors[layer + ".qweight"]
+    missing = [layer + p for p in GPTQ_PARTS[1:3] if layer + p not in tensors]
+    scales = () if missing else tensors[layer + ".scales"].shape
+    if missing or qweight.dtype != "I32" or len(qweight.shape) != 2 or scales[1:] != qweight.shape[1:]:
+        found = f"no {missing}" if missing else f"qweight {qweight.dtype} {list(qweight.shape)}, scales {list(scales)}"
+        raise ValueError(
+            f"load_pretrained_sharded: the GPTQ layer {layer!r} has {found}: not the {bits}-bit GPTQ layout "
+            "(qweight int32 [in * bits / 32, out], scales [groups, out]) that config.json names; the folder is "
+            "incomplete or saved in another format."
+        )
+    size = group if group > 0 else qweight.shape[0] * 32 // bits
+    v1 = (quant.get("checkpoint_format") or "gptq") == "gptq"
+    return GPTQ(
+        qweight, tensors[layer + ".qzeros"], tensors[layer + ".scales"], tensors.get(layer + ".g_idx"), bits, size, v1
+    )
 
 
 def _bnb_state_key(key: str, tensors: Mapping[str, Stored]) -> str | None:
@@ -426,6 +503,7 @@ def _fp8_block(weight: Stored, scale: Stored, blocks: list[tuple[int, int]]) -> 
 
 __all__ = [
     "BNB4",
+    "GPTQ",
     "MXFP4",
     "BlockFP8",
     "Encoded",

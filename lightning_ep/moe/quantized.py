@@ -14,6 +14,13 @@
 - **NF4** (QLoRA's 4-bit NormalFloat, as bitsandbytes and torchao define its 16 values): weights
   kept frozen (``moe.experts.frozen``), one fp32 ``absmax`` per 64 values along the input features,
   two value indices a byte (low nibble first).
+- **GPTQ** (AutoGPTQ / GPTQModel releases, ``quant_method: "gptq"``): a linear weight ``[out, in]``
+  as ``qweight int32 [in * bits / 32, out]`` (``32 / bits`` values of ``bits`` bits an int32 along
+  ``in``, lowest bits first), ``qzeros int32 [groups, out * bits / 32]`` packed likewise along ``out``,
+  ``scales [groups, out]`` and ``g_idx [in]`` (each input feature's group; a permutation's groups
+  under act-order); ``w[o, i] = scales[g, o] * (q[i, o] - z[g, o])`` with ``g = g_idx[i]``, where the
+  original (``checkpoint_format: "gptq"``) layout stores ``z - 1`` (``z = (stored + 1) mod 2^bits``)
+  and ``"gptq_v2"`` stores ``z``.
 - **bitsandbytes 4-bit** (``load_in_4bit`` releases, as ``Linear4bit`` saves them): a weight
   ``[R, C]`` flattened and cut into blocks of ``blocksize`` values, two 4-bit indices a byte (the
   first value in the high nibble), each value ``quant_map[index] * absmax[block]``; with double
@@ -123,6 +130,27 @@ def bnb_nested_absmax(
     return values * scales + torch.tensor(offset, dtype=torch.float32)
 
 
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The ``32 / bits`` unsigned values of ``bits`` bits in each int32 of ``packed`` (lowest bits
+    first), laid out along ``dim`` (``packed.shape[dim] * 32 / bits`` of them), as int64."""
+    dim = dim % packed.ndim
+    shifts = torch.arange(0, 32, bits, device=packed.device).view(-1, *([1] * (packed.ndim - dim - 1)))
+    values = (packed.to(torch.int64).unsqueeze(dim + 1) >> shifts) & (2**bits - 1)
+    return values.flatten(dim, dim + 1)
+
+
+def dequantize_gptq(
+    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor, stored_minus_one: bool, bits: int
+) -> torch.Tensor:
+    """GPTQ values ``[out, in]`` in fp32 from unpacked ``q [in, out]``, zero points ``zeros [G, out]``
+    (as stored: ``z - 1`` when ``stored_minus_one``), ``scales [G, out]`` and each input's group
+    ``groups [in]``: ``scales[g, o] * (q[i, o] - z[g, o])``."""
+    if stored_minus_one:
+        zeros = (zeros + 1) & (2**bits - 1)
+    index = groups.long()
+    return (scales.to(torch.float32)[index] * (q - zeros[index]).to(torch.float32)).t()
+
+
 def nibbles_swapped(packed: torch.Tensor) -> torch.Tensor:
     """``packed`` uint8 with each byte's two 4-bit halves exchanged (bitsandbytes' order <-> ours)."""
     return (packed << 4) | (packed >> 4)
@@ -208,6 +236,7 @@ __all__ = [
     "bnb_nested_absmax",
     "dequantize_bnb4",
     "dequantize_fp8_block",
+    "dequantize_gptq",
     "dequantize_mxfp4",
     "dequantize_nf4",
     "nibbles_swapped",
@@ -215,4 +244,5 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_nf4",
     "scale_values",
+    "unpack_int32",
 ]

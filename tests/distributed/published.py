@@ -17,6 +17,10 @@
   quantized as bitsandbytes' ``quantize_4bit`` quantizes it (NF4 or FP4, blocks of 64, double
   quantization; ``bnb4_quantize``, held to bitsandbytes' own bytes in ``tests/data``) and saved as
   its ``Linear4bit`` saves it (the state packed beside the bytes).
+- ``write_gptq``: a GPTQ release (AutoGPTQ's layout: Qwen's ``*-GPTQ-Int4``, TheBloke's Mixtral): the
+  linear weights of the decoder layers but the routers as ``qweight`` / ``qzeros`` / ``scales`` /
+  ``g_idx``, 4 or 8 bits, groups in order or act-order, zero points stored less one (``gptq``) or not
+  (``gptq_v2``); ``gptq_pack`` is held to AutoGPTQ's own bytes in ``tests/data``.
 - ``write_mxfp4``: GPT-OSS's release format: the experts as ``*_blocks`` (two E2M1 values per
   byte, low nibble first) and ``*_scales`` (E8M0 per 32 values), ``[E, out, in/32, 16]``.
 - ``add_mtp_layer``: the multi-token-prediction layer DeepSeek-V3 and GLM-4.5 ship as
@@ -360,6 +364,127 @@ def bnb4_dequantized(folder: Path) -> dict[str, torch.Tensor]:
         **{k: v.float() for k, v in state.items() if not any(k.startswith(w + ".") or k == w for w in weights)},
         **out,
     }
+
+
+# --------------------------------------------------------------------------------------------
+# GPTQ
+# --------------------------------------------------------------------------------------------
+
+#: AutoGPTQ's own packing and dequantization of four layers (``tests/data/make_gptq_reference.py``).
+GPTQ_REFERENCE = Path(__file__).resolve().parents[1] / "data" / "gptq_reference.safetensors"
+
+
+def gptq_reference() -> dict[str, torch.Tensor]:
+    with safe_open(str(GPTQ_REFERENCE), framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}
+
+
+def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``values [n, m]`` (ints below ``2^bits``) packed ``32 / bits`` to an int32 along dim 0, lowest bits first."""
+    per = 32 // bits
+    grouped = values.to(torch.int64).unflatten(0, (-1, per))
+    packed = sum(grouped[:, k] << (bits * k) for k in range(per))
+    return torch.as_tensor(packed).to(torch.uint32).view(torch.int32)
+
+
+def gptq_pack(
+    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int, v2: bool = False
+) -> dict[str, torch.Tensor]:
+    """A GPTQ layer's tensors from ``q [out, in]`` (its values on the grid), ``zeros [out, G]``,
+    ``scales [out, G]`` and ``g_idx [in]``, as AutoGPTQ's ``QuantLinear.pack`` writes them:
+    ``qweight`` packs ``q`` along ``in``, ``qzeros`` packs the zero points (less one, as the original
+    format stores them, unless ``v2``) along ``out``, ``scales [G, out]``."""
+    stored_zeros = (zeros.to(torch.int64) - (0 if v2 else 1)) & (2**bits - 1)
+    return {
+        "qweight": _pack(q.t(), bits),
+        "qzeros": _pack(stored_zeros, bits).t().contiguous(),
+        "scales": scales.t().contiguous(),
+        "g_idx": g_idx.to(torch.int32),
+    }
+
+
+def gptq_quantize(
+    w: torch.Tensor, bits: int = 4, group: int = 32, act_order: bool = False, v2: bool = False
+) -> dict[str, torch.Tensor]:
+    """``w [out, in]`` quantized with asymmetric min-max scales (fp16) and zero points per group of
+    ``group`` input features (a random permutation's groups under ``act_order``), then ``gptq_pack``."""
+    out_features, in_features = w.shape
+    g_idx = torch.arange(in_features) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(in_features, generator=torch.Generator().manual_seed(in_features))]
+    maxq = 2**bits - 1
+    scales = torch.empty(out_features, in_features // group, dtype=torch.float16)
+    zeros = torch.empty(out_features, in_features // group, dtype=torch.int64)
+    for g in range(in_features // group):
+        cols = w[:, g_idx == g].float()
+        low, high = cols.min(dim=1).values.clamp(max=0), cols.max(dim=1).values.clamp(min=0)
+        scales[:, g] = ((high - low) / maxq).clamp(min=1e-4)
+        zeros[:, g] = torch.round(-low / scales[:, g].float()).clamp(0, maxq).long()
+    scale_i, zero_i = scales.float()[:, g_idx], zeros[:, g_idx]
+    q = (torch.round(w.float() / scale_i) + zero_i).clamp(0, maxq).long()
+    return gptq_pack(q, zeros, scales, g_idx, bits, v2)
+
+
+def gptq_dequantize_by_hand(tensors: dict[str, torch.Tensor], layer: str, bits: int, v2: bool = False) -> torch.Tensor:
+    """GPTQ layer ``layer`` of ``tensors`` as ``[out, in]`` fp32 values, by loops over input features
+    written from the format: ``scales[g, o] * (q[i, o] - z[g, o])``, ``g = g_idx[i]``."""
+    per, mask = 32 // bits, 2**bits - 1
+    qweight = tensors[f"{layer}.qweight"].to(torch.int64) & 0xFFFFFFFF
+    qzeros = tensors[f"{layer}.qzeros"].to(torch.int64) & 0xFFFFFFFF
+    scales, g_idx = tensors[f"{layer}.scales"].float(), tensors[f"{layer}.g_idx"].tolist()
+    out_features = qweight.shape[1]
+    zeros = torch.stack([(qzeros[:, o // per] >> (bits * (o % per))) & mask for o in range(out_features)], dim=1)
+    zeros = zeros if v2 else (zeros + 1) & mask
+    columns = []
+    for i, g in enumerate(g_idx):
+        q = (qweight[i // per] >> (bits * (i % per))) & mask
+        columns.append(scales[g] * (q - zeros[g]).float())
+    return torch.stack(columns, dim=1)
+
+
+def _gptq_target(key: str, tensor: torch.Tensor) -> bool:
+    """The layers AutoGPTQ quantizes in a decoder layer: the linear ones but the routers."""
+    return _fp8_target(key, tensor)
+
+
+def write_gptq(
+    model: nn.Module, folder: Path, *, bits: int = 4, group: int = 32, act_order: bool = False, v2: bool = False
+) -> Path:
+    """``model`` saved as a GPTQ release (see the module docstring); returns ``folder``."""
+    model.save_pretrained(folder)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in read_folder(folder).items():
+        if _gptq_target(key, tensor):
+            layer = key.removesuffix(".weight")
+            quantized = gptq_quantize(tensor, bits, group, act_order, v2)
+            out.update({f"{layer}.{name}": value for name, value in quantized.items()})
+        else:
+            out[key] = tensor.to(torch.float16) if tensor.is_floating_point() else tensor
+    write_shards(out, folder, shards=2)
+    quant = {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group,
+        "desc_act": act_order,
+        "sym": False,
+        "checkpoint_format": "gptq_v2" if v2 else "gptq",
+        "damp_percent": 0.01,
+        "true_sequential": True,
+    }
+    edit_config(folder, quantization_config=quant, dtype="float16")
+    return folder
+
+
+def gptq_dequantized(folder: Path) -> dict[str, torch.Tensor]:
+    """The folder's tensors in fp32 under their stored names, its GPTQ layers dequantized by hand
+    (``gptq_dequantize_by_hand``) under ``<layer>.weight``."""
+    quant = json.loads((folder / "config.json").read_text())["quantization_config"]
+    state = read_folder(folder)
+    layers = [k.removesuffix(".qweight") for k in state if k.endswith(".qweight")]
+    v2 = quant["checkpoint_format"] == "gptq_v2"
+    out = {f"{layer}.weight": gptq_dequantize_by_hand(state, layer, quant["bits"], v2) for layer in layers}
+    parts = (".qweight", ".qzeros", ".scales", ".g_idx")
+    return {**{k: v.float() for k, v in state.items() if not k.endswith(parts)}, **out}
 
 
 # --------------------------------------------------------------------------------------------

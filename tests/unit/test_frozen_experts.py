@@ -49,12 +49,14 @@ from lora_workers import lora_config, tiny_base, tiny_peft
 from published import (
     bnb4_dequantize_by_hand,
     fp8_dequantize_by_hand,
+    gptq_dequantized,
     mxfp4_dequantize_by_hand,
     read_folder,
     write_autofp8,
     write_bnb4,
     write_compressed_fp8,
     write_fp8,
+    write_gptq,
     write_mxfp4,
 )
 
@@ -459,6 +461,21 @@ def test_bitsandbytes_nf4_folder_is_copied_byte_for_byte(tmp_path: Path) -> None
     fp4 = write_bnb4(tiny_mixtral(3, intermediate_size=64), tmp_path / "fp4", quant_type="fp4")
     with pytest.warns(UserWarning, match=r"quantized otherwise than the model keeps them \(nf4\)"):
         load_pretrained_sharded(_meta_frozen("mixtral", "nf4", intermediate_size=64), fp4)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nf4"])
+def test_a_gptq_folder_is_requantized_with_one_warning(tmp_path: Path, fmt: str) -> None:
+    """No frozen format holds GPTQ's integers and zero points: each expert is dequantized exactly (fp32)
+    and quantized into the format on the rank that holds it, and the one warning says so."""
+    folder = write_gptq(tiny_mixtral(3, intermediate_size=64), tmp_path / "gptq", bits=4, group=32, act_order=True)
+    exact = gptq_dequantized(folder)
+    model = _meta_frozen("mixtral", fmt, (16, 16), intermediate_size=64)
+    with pytest.warns(UserWarning, match=rf"quantized otherwise than the model keeps them \({fmt}"):
+        load_pretrained_sharded(model, folder)
+    for name, frozen in frozen_weights(model).items():
+        values = torch.stack([torch.cat(mixtral_parts(exact, name, e)) for e in range(frozen.shape[0])])
+        expected = FrozenExpertWeight(fmt, values, block=(16, 16)).dequantize(torch.float32)  # type: ignore[arg-type]
+        assert torch.equal(frozen.dequantize(torch.float32), expected), name
 
 
 def test_mxfp4_folder_is_copied_byte_for_byte_and_exports_dequantized(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import FAMILY_NAMES, micro_batch, rel_err, tiny_family
 from published import (
     BNB4_REFERENCE,
+    GPTQ_REFERENCE,
     add_mtp_layer,
     bnb4_dequantize_by_hand,
     bnb4_dequantized,
@@ -50,6 +51,10 @@ from published import (
     edit_config,
     fp8_dequantize_by_hand,
     fp8_quantize,
+    gptq_dequantize_by_hand,
+    gptq_dequantized,
+    gptq_pack,
+    gptq_reference,
     mxfp4_dequantize_by_hand,
     mxfp4_quantize,
     read_folder,
@@ -57,6 +62,7 @@ from published import (
     write_bnb4,
     write_compressed_fp8,
     write_fp8,
+    write_gptq,
     write_mxfp4,
     write_shards,
 )
@@ -343,6 +349,54 @@ def test_bitsandbytes_blocks_run_over_the_flattened_weight(tmp_path: Path) -> No
     opener.close()
 
 
+GPTQ_VARIANTS = {"b4_g64_act": 4, "b4_g128": 4, "b8_g64": 8, "b4_whole": 4}
+
+
+@pytest.mark.parametrize("variant", list(GPTQ_VARIANTS))
+def test_gptq_format_equals_autogptq_own_output(tmp_path: Path, variant: str) -> None:
+    """AutoGPTQ's own packing and fp16 dequantization of four layers (``tests/data``: act-order, groups
+    in order, 8 bits, one group): every box the loader reads equals AutoGPTQ's values (the fp32
+    products, rounded to fp16 as AutoGPTQ computes them), as does the dequantization by hand, and the
+    test folders' packer reproduces AutoGPTQ's bytes from the unpacked values."""
+    from lightning_ep.models.hf_stored import Opener, encode, stored_tensors
+    from lightning_ep.moe.quantized import unpack_int32
+
+    reference, bits = gptq_reference(), GPTQ_VARIANTS[variant]
+    theirs = reference[f"{variant}.dequantized"]
+    assert torch.equal(gptq_dequantize_by_hand(reference, variant, bits).half(), theirs)
+    q = unpack_int32(reference[f"{variant}.qweight"], bits, 0).t()
+    zeros = ((unpack_int32(reference[f"{variant}.qzeros"], bits, 1) + 1) & (2**bits - 1)).t()
+    packed = gptq_pack(q, zeros, reference[f"{variant}.scales"].t(), reference[f"{variant}.g_idx"], bits)
+    for name, value in packed.items():
+        assert torch.equal(value, reference[f"{variant}.{name}"]), name
+    shutil.copy(GPTQ_REFERENCE, tmp_path / "model.safetensors")
+    quant = {"quant_method": "gptq", "bits": bits, "group_size": 64, "checkpoint_format": "gptq"}
+    weight = encode(stored_tensors(tmp_path), quant)[0][f"{variant}.weight"]
+    assert weight.shape == (96, 256)
+    opener = Opener()
+    for r0, r1, c0, c1 in [(0, 96, 0, 256), (5, 77, 3, 201), (95, 96, 255, 256), (8, 16, 64, 128)]:
+        box = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
+        assert torch.equal(box.half(), theirs[r0:r1, c0:c1]), (r0, r1, c0, c1)
+    opener.close()
+
+
+@pytest.mark.parametrize(("bits", "act_order", "v2"), [(4, False, False), (4, True, False), (8, False, True)])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_gptq_release(tmp_path: Path, model_type: str, bits: int, act_order: bool, v2: bool) -> None:
+    """A GPTQ release (Qwen's ``*-GPTQ-Int4`` of its MoE models, TheBloke's Mixtral): every quantized
+    layer, experts per expert, equals the dequantization by hand bit for bit (fp32 products)."""
+    build = tiny_family_mixtral if model_type == "mixtral" else functools.partial(tiny_family, model_type)
+    folder = write_gptq(build(seed=3), tmp_path / "gptq", bits=bits, group=32, act_order=act_order, v2=v2)
+    stored = read_folder(folder)
+    assert stored[next(k for k in stored if ".experts.5." in k and k.endswith(".qweight"))].dtype == torch.int32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing in the folder goes unused
+        model = load_pretrained_sharded(transformed(build(seed=11)), folder).eval()
+    reference = by_hand_model(build(seed=0), folder, tmp_path / "hand", gptq_dequantized(folder))
+    assert_same(model, reference)
+    assert_same_logits(model, reference)
+
+
 def test_autofp8_static_per_tensor_release(tmp_path: Path) -> None:
     """AutoFP8's layout of neuralmagic's Mixtral-8x7B-Instruct-v0.1-FP8: a scalar ``weight_scale`` and a
     static ``input_scale`` per weight; the activation scales are unused, and named once."""
@@ -470,7 +524,12 @@ def _compressed(num_bits: int, kind: str, form: str) -> dict[str, object]:
 @pytest.mark.parametrize(
     ("quant", "named"),
     [
-        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, r"quant_method='gptq'"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"quant_method='gptq' \(3-bit\)"),
+        (
+            {"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
+            r"quant_method='gptq' \(checkpoint_format='marlin'\)",
+        ),
+        ({"quant_method": "awq", "bits": 4, "version": "gemm"}, r"quant_method='awq'"),
         (
             {"quant_method": "bitsandbytes", "load_in_8bit": True},
             r"quant_method='bitsandbytes' \(8-bit \(LLM\.int8\)\)",
@@ -491,7 +550,8 @@ def _compressed(num_bits: int, kind: str, form: str) -> dict[str, object]:
 def test_a_folder_quantized_in_a_format_it_cannot_read_is_refused_by_name(
     tmp_path: Path, quant: dict[str, object], named: str
 ) -> None:
-    """GPTQ, bitsandbytes' 8-bit (and 4-bit stored in bf16), packed int4 and NVFP4 releases are refused
+    """GPTQ in 3 bits or Marlin's layout, AWQ, bitsandbytes' 8-bit (and 4-bit stored in bf16), packed int4
+    and NVFP4 releases are refused
     before any tensor is read, with the format named and the way on, not as weights of another model."""
     folder = tmp_path / "mx"
     tiny_family_mixtral().save_pretrained(folder)
