@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_ep.models.hf_export import LIBRARY_BUFFERS, PathLike, detect_prefix, export_hf
 from lightning_ep.models.hf_layout import FolderLayout, Source, Stacked, Whole, layout, source_keys, source_shape
-from lightning_ep.models.hf_stored import BNB4, GPTQ, MXFP4, BlockFP8, Encoded, Opener
+from lightning_ep.models.hf_stored import AWQ, BNB4, GPTQ, MXFP4, BlockFP8, Encoded, Opener
 from lightning_ep.moe.experts.frozen import FrozenExpertWeight
 from lightning_ep.moe.quantized import NF4_GROUP, NF4_VALUES, nibbles_swapped, scale_values
 from lightning_ep.parallel.mesh import local_block
@@ -54,7 +54,7 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
       fused by transformers' conversion rules for the model (``hf_layout``);
     - FP8 weights with ``weight_scale_inv`` or ``weight_scale`` (per tensor, row, group or block),
       MXFP4 experts (``*_blocks`` / ``*_scales``), bitsandbytes 4-bit weights (``*.absmax``,
-      ``*.quant_state.*``) and GPTQ layers (``*.qweight``, ``*.qzeros``, ``*.scales``, ``*.g_idx``),
+      ``*.quant_state.*``) and GPTQ and AWQ layers (``*.qweight``, ``*.qzeros``, ``*.scales``, ``*.g_idx``),
       dequantized on the rank that owns the block into the model's dtype, at most ``CHUNK_BYTES`` of
       rows at a time (other quantized formats are refused by name: ``hf_stored.check_readable``);
     - weights transformers ignores for the architecture (multi-token-prediction layers, the class's
@@ -274,7 +274,7 @@ def _plan_frozen(name: str, weight: FrozenExpertWeight, found: FolderLayout) -> 
             weight.store_(buffer, e)
 
     parts = [source.source] if isinstance(source, Whole) else [p for parts in source.parts for p in parts]
-    return quantize, any(isinstance(p, (BlockFP8, MXFP4, BNB4, GPTQ)) for p in parts)
+    return quantize, any(isinstance(p, (BlockFP8, MXFP4, BNB4, GPTQ, AWQ)) for p in parts)
 
 
 def _frozen_first_expert(weight: FrozenExpertWeight) -> int:

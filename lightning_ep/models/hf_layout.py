@@ -7,8 +7,8 @@ Resolved from the folder's safetensors headers alone (no tensor data is read):
   its converters that stack per-expert matrices (``MergeModulelist(dim=0)``) and concatenate gate
   and up (``Concatenate(dim=1)``).
 - **Encodings** (``hf_stored``): plain, scaled FP8 (per tensor, row, group or block), MXFP4,
-  bitsandbytes 4-bit, GPTQ; a folder quantized otherwise (AWQ, bitsandbytes' 8-bit, packed int4 or
-  NVFP4) is refused by name.
+  bitsandbytes 4-bit, GPTQ, AWQ; a folder quantized otherwise (bitsandbytes' 8-bit, packed int4 or
+  NVFP4, ...) is refused by name.
 - **Keys the model does not use** and transformers ignores: multi-token-prediction layers past
   ``num_hidden_layers`` (DeepSeek-V3, GLM-4.5/4.6), the class's ``_keys_to_ignore_on_load_unexpected``,
   and a static FP8 scheme's activation and KV-cache scales.

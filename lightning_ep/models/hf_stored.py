@@ -1,14 +1,15 @@
 """How a Hugging Face folder stores its tensors (``Stored``), read one block at a time (``Opener``),
-and their encodings (``Plain``, ``BlockFP8``, ``MXFP4``, ``BNB4``, ``GPTQ``; the formats are in
-``moe.quantized``).
+and their encodings (``Plain``, ``BlockFP8``, ``MXFP4``, ``BNB4``, ``GPTQ``, ``AWQ``; the formats are
+in ``moe.quantized``).
 
 The quantized folders read (``check_readable`` refuses the others before any tensor is read):
 ``quant_method`` ``"fp8"`` (transformers' block-scaled ``weight_scale_inv``, or AutoFP8's per-tensor
 ``weight_scale``), ``"mxfp4"``, ``"fbgemm_fp8"`` (per-row ``weight_scale``), ``"modelopt"`` with
 ``quant_algo`` ``"FP8"``, ``"compressed-tensors"`` whose weights are 8-bit floats
 (``float-quantized``: per tensor, channel, group or block), ``"bitsandbytes"`` in 4 bits (NF4 or
-FP4, with or without double quantization, stored in uint8), and ``"gptq"`` in 2, 4 or 8 bits
-(``checkpoint_format`` ``"gptq"`` or ``"gptq_v2"``, act-order included)."""
+FP4, with or without double quantization, stored in uint8), ``"gptq"`` in 2, 4 or 8 bits
+(``checkpoint_format`` ``"gptq"`` or ``"gptq_v2"``, act-order included) and ``"awq"`` (4 bits, the
+``gemm`` version, with zero points)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ from lightning_ep.moe.quantized import (
     bnb_nested_absmax,
     dequantize_bnb4,
     dequantize_fp8_block,
-    dequantize_gptq,
+    dequantize_grouped_int,
     dequantize_mxfp4,
+    unpack_awq,
     unpack_int32,
 )
 
@@ -252,10 +254,41 @@ class GPTQ:
             groups = opener.read(self.g_idx, (ins,))
         else:
             groups = torch.arange(ins.start, ins.stop) // self.group
-        return dequantize_gptq(q, zeros, scales, groups, self.stored_minus_one, self.bits).to(dtype)
+        return dequantize_grouped_int(q, zeros, scales, groups, self.stored_minus_one, self.bits).to(dtype)
 
 
-Encoded = Plain | BlockFP8 | MXFP4 | BNB4 | GPTQ
+@dataclass(frozen=True)
+class AWQ:
+    """An AWQ linear weight ``[out, in]`` (``moe.quantized``; ``version: "gemm"``): ``qweight``,
+    ``qzeros`` and ``scales``, in groups of ``group`` input features."""
+
+    qweight: Stored
+    qzeros: Stored
+    scales: Stored
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        inputs, packed = self.qweight.shape
+        return (packed * 8, inputs)
+
+    @property
+    def stored(self) -> tuple[Stored, ...]:
+        return (self.qweight, self.qzeros, self.scales)
+
+    def read(self, opener: Opener, box: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
+        outs, ins = box
+        j0, j1 = outs.start // 8, -(-outs.stop // 8)
+        g0, g1 = ins.start // self.group, -(-ins.stop // self.group)
+        take = slice(outs.start - 8 * j0, outs.stop - 8 * j0)
+        q = unpack_awq(opener.read(self.qweight, (ins, slice(j0, j1))))[:, take]
+        zeros = unpack_awq(opener.read(self.qzeros, (slice(g0, g1), slice(j0, j1))))[:, take]
+        scales = opener.read(self.scales, (slice(g0, g1), outs))
+        groups = torch.arange(ins.start, ins.stop) // self.group - g0
+        return dequantize_grouped_int(q, zeros, scales, groups, False, 4).to(dtype)
+
+
+Encoded = Plain | BlockFP8 | MXFP4 | BNB4 | GPTQ | AWQ
 
 
 def stored_tensors(folder: Path) -> dict[str, Stored]:
@@ -301,6 +334,10 @@ def check_readable(quant: Mapping[str, Any], folder: Path) -> None:
             detail = f"{quant.get('bits')}-bit"
         elif form not in ("gptq", "gptq_v2"):
             detail = f"checkpoint_format={form!r}"
+    elif method == "awq":
+        version = str(quant.get("version") or "gemm").lower()
+        if quant.get("bits", 4) != 4 or version != "gemm" or quant.get("zero_point") is False:
+            detail = f"{quant.get('bits', 4)}-bit, version {version!r}, zero_point={quant.get('zero_point', True)}"
     elif method == "bitsandbytes":
         storage = quant.get("bnb_4bit_quant_storage") or "uint8"
         if quant.get("load_in_8bit") or not quant.get("load_in_4bit"):
@@ -332,7 +369,8 @@ def check_readable(quant: Mapping[str, Any], folder: Path) -> None:
         f"load_pretrained_sharded: {folder} is quantized with quant_method={method!r}"
         + (f" ({detail})" if detail else "")
         + ", which this loader does not read: it reads FP8 weights (weight_scale_inv or weight_scale: per "
-        "tensor, row, group or block), MXFP4 experts, bitsandbytes' 4-bit and GPTQ's 2, 4 and 8-bit weights. "
+        "tensor, row, group or block), MXFP4 experts, bitsandbytes' 4-bit, GPTQ's 2, 4 and 8-bit and AWQ's "
+        "4-bit weights. "
         "Start from the "
         "publisher's bf16 or FP8 release; to hold the experts in 4 bits while LoRA trains, load it with "
         "ExpertParallelStrategy(frozen_experts='nf4') (or 'mxfp4')."
@@ -363,13 +401,17 @@ def encode(tensors: Mapping[str, Stored], quant: Mapping[str, Any]) -> tuple[dic
     blocks = fp8_blocks(quant)
     with closing(Opener()) as opener:
         bnb = {key: _bnb4(key, tensors, opener) for key in tensors if _bnb_state_key(key, tensors) is not None}
-    gptq = {k[: -len(".qweight")] for k in tensors if k.endswith(".qweight") and quant.get("quant_method") == "gptq"}
+    method = quant.get("quant_method")
+    gptq = {k[: -len(".qweight")] for k in tensors if k.endswith(".qweight") and method in ("gptq", "awq")}
     for key, stored in tensors.items():
         if _fp8_scale_of(key, tensors) is not None or _bnb_part_of(key, bnb) is not None:
             continue  # read with its weight
         if any(key.endswith(p) and key[: -len(p)] in gptq for p in GPTQ_PARTS):
             if key.endswith(".qweight"):
-                encoded[key[: -len(".qweight")] + ".weight"] = _gptq(key[: -len(".qweight")], tensors, quant)
+                layer = key[: -len(".qweight")]
+                encoded[layer + ".weight"] = (
+                    _gptq(layer, tensors, quant) if method == "gptq" else _awq(layer, tensors, quant)
+                )
             continue
         if key in bnb:
             encoded[key] = bnb[key]
@@ -413,6 +455,22 @@ def _gptq(layer: str, tensors: Mapping[str, Stored], quant: Mapping[str, Any]) -
     return GPTQ(
         qweight, tensors[layer + ".qzeros"], tensors[layer + ".scales"], tensors.get(layer + ".g_idx"), bits, size, v1
     )
+
+
+def _awq(layer: str, tensors: Mapping[str, Stored], quant: Mapping[str, Any]) -> AWQ:
+    """``layer``'s AWQ weight, its parts checked against each other."""
+    group, qweight = int(quant.get("group_size") or 128), tensors[layer + ".qweight"]
+    missing = [layer + p for p in (".qzeros", ".scales") if layer + p not in tensors]
+    scales = () if missing else tensors[layer + ".scales"].shape
+    inputs, packed = qweight.shape if len(qweight.shape) == 2 else (0, 0)
+    if missing or qweight.dtype != "I32" or scales != (-(-inputs // group), packed * 8):
+        found = f"no {missing}" if missing else f"qweight {qweight.dtype} {list(qweight.shape)}, scales {list(scales)}"
+        raise ValueError(
+            f"load_pretrained_sharded: the AWQ layer {layer!r} has {found}: not the 4-bit GEMM layout (qweight "
+            f"int32 [in, out / 8], scales [in / {group}, out]) that config.json names; the folder is incomplete "
+            "or saved in another format."
+        )
+    return AWQ(qweight, tensors[layer + ".qzeros"], tensors[layer + ".scales"], group)
 
 
 def _bnb_state_key(key: str, tensors: Mapping[str, Stored]) -> str | None:
@@ -502,6 +560,7 @@ def _fp8_block(weight: Stored, scale: Stored, blocks: list[tuple[int, int]]) -> 
 
 
 __all__ = [
+    "AWQ",
     "BNB4",
     "GPTQ",
     "MXFP4",

@@ -21,6 +21,10 @@
   under act-order); ``w[o, i] = scales[g, o] * (q[i, o] - z[g, o])`` with ``g = g_idx[i]``, where the
   original (``checkpoint_format: "gptq"``) layout stores ``z - 1`` (``z = (stored + 1) mod 2^bits``)
   and ``"gptq_v2"`` stores ``z``.
+- **AWQ** (AutoAWQ's ``version: "gemm"`` releases): ``qweight int32 [in, out / 8]``, 4-bit values
+  packed along ``out`` in the order ``AWQ_ORDER`` (nibble ``k`` of an int32 holds output
+  ``8 c + AWQ_ORDER[k]``), ``qzeros int32 [in / group, out / 8]`` likewise, ``scales [in / group, out]``;
+  ``w[o, i] = (q[i, o] - z[g, o]) * scales[g, o]`` with ``g = i // group``.
 - **bitsandbytes 4-bit** (``load_in_4bit`` releases, as ``Linear4bit`` saves them): a weight
   ``[R, C]`` flattened and cut into blocks of ``blocksize`` values, two 4-bit indices a byte (the
   first value in the high nibble), each value ``quant_map[index] * absmax[block]``; with double
@@ -139,12 +143,22 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.flatten(dim, dim + 1)
 
 
-def dequantize_gptq(
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output of each nibble of an AWQ int32, lowest bits first
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ's 4-bit values ``[..., 8 n]`` from ``packed int32 [..., n]``, in output order."""
+    values = unpack_int32(packed, 4, -1).unflatten(-1, (-1, 8))
+    inverse = torch.tensor(AWQ_ORDER, device=packed.device).argsort()
+    return values[..., inverse].flatten(-2)
+
+
+def dequantize_grouped_int(
     q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor, stored_minus_one: bool, bits: int
 ) -> torch.Tensor:
-    """GPTQ values ``[out, in]`` in fp32 from unpacked ``q [in, out]``, zero points ``zeros [G, out]``
-    (as stored: ``z - 1`` when ``stored_minus_one``), ``scales [G, out]`` and each input's group
-    ``groups [in]``: ``scales[g, o] * (q[i, o] - z[g, o])``."""
+    """GPTQ's and AWQ's values ``[out, in]`` in fp32 from unpacked ``q [in, out]``, zero points
+    ``zeros [G, out]`` (as stored: ``z - 1`` when ``stored_minus_one``), ``scales [G, out]`` and each
+    input's group ``groups [in]``: ``scales[g, o] * (q[i, o] - z[g, o])``."""
     if stored_minus_one:
         zeros = (zeros + 1) & (2**bits - 1)
     index = groups.long()
@@ -228,6 +242,7 @@ def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 __all__ = [
+    "AWQ_ORDER",
     "E2M1_VALUES",
     "FP8_BLOCK",
     "MXFP4_GROUP",
@@ -236,7 +251,7 @@ __all__ = [
     "bnb_nested_absmax",
     "dequantize_bnb4",
     "dequantize_fp8_block",
-    "dequantize_gptq",
+    "dequantize_grouped_int",
     "dequantize_mxfp4",
     "dequantize_nf4",
     "nibbles_swapped",
@@ -244,5 +259,6 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_nf4",
     "scale_values",
+    "unpack_awq",
     "unpack_int32",
 ]

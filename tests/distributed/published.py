@@ -21,6 +21,9 @@
   linear weights of the decoder layers but the routers as ``qweight`` / ``qzeros`` / ``scales`` /
   ``g_idx``, 4 or 8 bits, groups in order or act-order, zero points stored less one (``gptq``) or not
   (``gptq_v2``); ``gptq_pack`` is held to AutoGPTQ's own bytes in ``tests/data``.
+- ``write_awq``: an AWQ release (AutoAWQ's ``gemm`` layout: TheBloke's and casperhansen's Mixtral): the
+  same layers as ``qweight [in, out / 8]`` (outputs packed in AWQ's interleaved order), ``qzeros``,
+  ``scales``; ``awq_pack`` is held to AutoAWQ's own bytes in ``tests/data``.
 - ``write_mxfp4``: GPT-OSS's release format: the experts as ``*_blocks`` (two E2M1 values per
   byte, low nibble first) and ``*_scales`` (E8M0 per 32 values), ``[E, out, in/32, 16]``.
 - ``add_mtp_layer``: the multi-token-prediction layer DeepSeek-V3 and GLM-4.5 ship as
@@ -485,6 +488,90 @@ def gptq_dequantized(folder: Path) -> dict[str, torch.Tensor]:
     out = {f"{layer}.weight": gptq_dequantize_by_hand(state, layer, quant["bits"], v2) for layer in layers}
     parts = (".qweight", ".qzeros", ".scales", ".g_idx")
     return {**{k: v.float() for k, v in state.items() if not k.endswith(parts)}, **out}
+
+
+# --------------------------------------------------------------------------------------------
+# AWQ
+# --------------------------------------------------------------------------------------------
+
+#: AutoAWQ's own packing and dequantization of two layers (``tests/data/make_awq_reference.py``).
+AWQ_REFERENCE = Path(__file__).resolve().parents[1] / "data" / "awq_reference.safetensors"
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output each nibble of an int32 holds, lowest bits first
+
+
+def awq_reference() -> dict[str, torch.Tensor]:
+    with safe_open(str(AWQ_REFERENCE), framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}
+
+
+def _awq_pack(values: torch.Tensor) -> torch.Tensor:
+    """``values [n, 8 m]`` (4-bit ints) as int32 ``[n, m]``: nibble ``k`` of column ``c`` holds ``8 c + order[k]``."""
+    grouped = values.to(torch.int64).unflatten(1, (-1, 8))
+    packed = sum(grouped[:, :, _AWQ_ORDER[k]] << (4 * k) for k in range(8))
+    return torch.as_tensor(packed).to(torch.uint32).view(torch.int32)
+
+
+def awq_pack(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An AWQ layer's tensors from ``q [out, in]`` (its values on the grid), ``zeros [out, G]`` and
+    ``scales [out, G]``, as AutoAWQ's ``WQLinear_GEMM.from_linear`` writes them."""
+    return {
+        "qweight": _awq_pack(q.t()),
+        "qzeros": _awq_pack(zeros.t()),
+        "scales": scales.t().contiguous(),
+    }
+
+
+def awq_quantize(w: torch.Tensor, group: int = 32) -> dict[str, torch.Tensor]:
+    """``w [out, in]`` quantized with asymmetric min-max scales (fp16) and zero points per group of
+    ``group`` input features, then ``awq_pack``."""
+    grouped = w.float().unflatten(1, (-1, group))
+    low, high = grouped.amin(dim=2).clamp(max=0), grouped.amax(dim=2).clamp(min=0)
+    scales = ((high - low) / 15).clamp(min=1e-4).half()
+    zeros = torch.round(-low / scales.float()).clamp(0, 15)
+    q = (torch.round(grouped / scales.float()[..., None]) + zeros[..., None]).clamp(0, 15).flatten(1)
+    return awq_pack(q.long(), zeros.long(), scales)
+
+
+def awq_dequantize_by_hand(tensors: dict[str, torch.Tensor], layer: str, group: int) -> torch.Tensor:
+    """AWQ layer ``layer`` of ``tensors`` as ``[out, in]`` fp32 values, by loops over outputs written
+    from the format: ``(q[i, o] - z[i // group, o]) * scales[i // group, o]``."""
+    qweight = tensors[f"{layer}.qweight"].to(torch.int64) & 0xFFFFFFFF
+    qzeros = tensors[f"{layer}.qzeros"].to(torch.int64) & 0xFFFFFFFF
+    scales = tensors[f"{layer}.scales"].float()
+    groups = torch.arange(qweight.shape[0]) // group
+    rows = []
+    for o in range(qweight.shape[1] * 8):
+        shift = 4 * _AWQ_ORDER.index(o % 8)
+        q = (qweight[:, o // 8] >> shift) & 15
+        z = (qzeros[:, o // 8] >> shift) & 15
+        rows.append((q - z[groups]).float() * scales[groups, o])
+    return torch.stack(rows)
+
+
+def write_awq(model: nn.Module, folder: Path, *, group: int = 32) -> Path:
+    """``model`` saved as an AWQ release (see the module docstring); returns ``folder``."""
+    model.save_pretrained(folder)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in read_folder(folder).items():
+        if _gptq_target(key, tensor):
+            layer = key.removesuffix(".weight")
+            out.update({f"{layer}.{name}": value for name, value in awq_quantize(tensor, group).items()})
+        else:
+            out[key] = tensor.to(torch.float16) if tensor.is_floating_point() else tensor
+    write_shards(out, folder, shards=2)
+    quant = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True}
+    edit_config(folder, quantization_config={**quant, "modules_to_not_convert": ["gate"]}, dtype="float16")
+    return folder
+
+
+def awq_dequantized(folder: Path) -> dict[str, torch.Tensor]:
+    """The folder's tensors in fp32 under their stored names, its AWQ layers dequantized by hand under
+    ``<layer>.weight``."""
+    group = json.loads((folder / "config.json").read_text())["quantization_config"]["group_size"]
+    state = read_folder(folder)
+    layers = [k.removesuffix(".qweight") for k in state if k.endswith(".qweight")]
+    out = {f"{layer}.weight": awq_dequantize_by_hand(state, layer, group) for layer in layers}
+    return {**{k: v.float() for k, v in state.items() if not k.endswith((".qweight", ".qzeros", ".scales"))}, **out}
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,9 +40,14 @@ from lightning_ep.moe.quantized import dequantize_fp8_block, dequantize_mxfp4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import FAMILY_NAMES, micro_batch, rel_err, tiny_family
 from published import (
+    AWQ_REFERENCE,
     BNB4_REFERENCE,
     GPTQ_REFERENCE,
     add_mtp_layer,
+    awq_dequantize_by_hand,
+    awq_dequantized,
+    awq_pack,
+    awq_reference,
     bnb4_dequantize_by_hand,
     bnb4_dequantized,
     bnb4_quantize,
@@ -59,6 +64,7 @@ from published import (
     mxfp4_quantize,
     read_folder,
     write_autofp8,
+    write_awq,
     write_bnb4,
     write_compressed_fp8,
     write_fp8,
@@ -397,6 +403,46 @@ def test_gptq_release(tmp_path: Path, model_type: str, bits: int, act_order: boo
     assert_same_logits(model, reference)
 
 
+@pytest.mark.parametrize("variant", ["g128", "g64"])
+def test_awq_format_equals_autoawq_own_output(tmp_path: Path, variant: str) -> None:
+    """AutoAWQ's own packing and fp16 dequantization of two layers (``tests/data``): every box the loader
+    reads equals AutoAWQ's values (fp32 products, rounded to fp16 as AutoAWQ computes them), as does the
+    dequantization by hand, and the test folders' packer reproduces AutoAWQ's bytes."""
+    from lightning_ep.models.hf_stored import Opener, encode, stored_tensors
+    from lightning_ep.moe.quantized import unpack_awq
+
+    reference, group = awq_reference(), int(variant[1:])
+    theirs = reference[f"{variant}.dequantized"]
+    assert torch.equal(awq_dequantize_by_hand(reference, variant, group).half(), theirs)
+    q, zeros = unpack_awq(reference[f"{variant}.qweight"]).t(), unpack_awq(reference[f"{variant}.qzeros"]).t()
+    for name, value in awq_pack(q, zeros, reference[f"{variant}.scales"].t()).items():
+        assert torch.equal(value, reference[f"{variant}.{name}"]), name
+    shutil.copy(AWQ_REFERENCE, tmp_path / "model.safetensors")
+    quant = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True}
+    tensors = {k: v for k, v in stored_tensors(tmp_path).items() if k.startswith(variant + ".")}
+    weight = encode(tensors, quant)[0][f"{variant}.weight"]
+    assert weight.shape == (96, 256)
+    opener = Opener()
+    for r0, r1, c0, c1 in [(0, 96, 0, 256), (5, 77, 3, 201), (95, 96, 255, 256), (8, 16, 64, 128)]:
+        box = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
+        assert torch.equal(box.half(), theirs[r0:r1, c0:c1]), (r0, r1, c0, c1)
+    opener.close()
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_awq_release(tmp_path: Path, model_type: str) -> None:
+    """An AWQ release (TheBloke's and casperhansen's Mixtral): every quantized layer, experts per expert,
+    equals the dequantization by hand bit for bit (fp32 products); the routers stay in fp16."""
+    build = tiny_family_mixtral if model_type == "mixtral" else functools.partial(tiny_family, model_type)
+    folder = write_awq(build(seed=3), tmp_path / "awq", group=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_pretrained_sharded(transformed(build(seed=11)), folder).eval()
+    reference = by_hand_model(build(seed=0), folder, tmp_path / "hand", awq_dequantized(folder))
+    assert_same(model, reference)
+    assert_same_logits(model, reference)
+
+
 def test_autofp8_static_per_tensor_release(tmp_path: Path) -> None:
     """AutoFP8's layout of neuralmagic's Mixtral-8x7B-Instruct-v0.1-FP8: a scalar ``weight_scale`` and a
     static ``input_scale`` per weight; the activation scales are unused, and named once."""
@@ -529,7 +575,10 @@ def _compressed(num_bits: int, kind: str, form: str) -> dict[str, object]:
             {"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
             r"quant_method='gptq' \(checkpoint_format='marlin'\)",
         ),
-        ({"quant_method": "awq", "bits": 4, "version": "gemm"}, r"quant_method='awq'"),
+        (
+            {"quant_method": "awq", "bits": 4, "version": "gemv", "zero_point": True},
+            r"quant_method='awq' \(4-bit, version 'gemv', zero_point=True\)",
+        ),
         (
             {"quant_method": "bitsandbytes", "load_in_8bit": True},
             r"quant_method='bitsandbytes' \(8-bit \(LLM\.int8\)\)",
@@ -550,7 +599,7 @@ def _compressed(num_bits: int, kind: str, form: str) -> dict[str, object]:
 def test_a_folder_quantized_in_a_format_it_cannot_read_is_refused_by_name(
     tmp_path: Path, quant: dict[str, object], named: str
 ) -> None:
-    """GPTQ in 3 bits or Marlin's layout, AWQ, bitsandbytes' 8-bit (and 4-bit stored in bf16), packed int4
+    """GPTQ in 3 bits or Marlin's layout, AWQ's GEMV layout, bitsandbytes' 8-bit (and 4-bit stored in bf16), packed int4
     and NVFP4 releases are refused
     before any tensor is read, with the format named and the way on, not as weights of another model."""
     folder = tmp_path / "mx"
