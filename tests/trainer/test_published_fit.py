@@ -1,8 +1,8 @@
 """Published folders through the documented path: ``from_pretrained(folder)`` in ``configure_model``
 and ``ExpertParallelStrategy(degree=2)`` on 2 gloo processes (``published_fit_worker.py``).
 
-DeepSeek-V3's FP8 release with its multi-token-prediction layer, and GPT-OSS's MXFP4 experts, each
-with ``"dtype": "bfloat16"`` in its config as the releases have it: at the start of training every
+DeepSeek-V3's FP8 release with its multi-token-prediction layer, a GPTQ release of a Qwen3-MoE
+(act-order) and GPT-OSS's MXFP4 experts, each with ``"dtype": "bfloat16"`` in its config: at the start of training every
 parameter equals transformers' own dequantized fp32 load bit for bit (under ``bf16-mixed`` the
 parameters are fp32 master weights, whatever dtype the config names), the multi-token-prediction
 weights are named once (on rank 0) as ignored, and two steps train. The same folders, and
@@ -33,9 +33,11 @@ from published import (
     bnb4_dequantized,
     dequantized_by_hand,
     edit_config,
+    gptq_dequantized,
     write_bnb4,
     write_compressed_fp8,
     write_fp8,
+    write_gptq,
     write_mxfp4,
     write_shards,
 )
@@ -56,16 +58,17 @@ def _free_port() -> int:
 
 def transformers_state(folder: Path) -> dict[str, torch.Tensor]:
     """transformers' dequantized fp32 load of ``folder``; of its tensors dequantized by hand (saved
-    beside it) where transformers does not dequantize the format (compressed-tensors' groups), or by
-    bitsandbytes (its 4-bit per-expert layers, which transformers 5 no longer loads)."""
+    beside it) where transformers does not dequantize the format (compressed-tensors' groups, GPTQ,
+    bitsandbytes' 4-bit per-expert layers)."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
     method = json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"]
     kwargs = {}
-    if method in ("compressed-tensors", "bitsandbytes"):
+    by_hand = {"bitsandbytes": bnb4_dequantized, "gptq": gptq_dequantized, "compressed-tensors": dequantized_by_hand}
+    if method in by_hand:
         hand = folder.with_name("by_hand")
         shutil.copytree(folder, hand)
-        tensors = bnb4_dequantized(folder) if method == "bitsandbytes" else dequantized_by_hand(folder)
+        tensors = by_hand[method](folder)
         write_shards({k: v.contiguous() for k, v in tensors.items()}, hand, shards=1)
         edit_config(hand, quantization_config=None)
         folder = hand
@@ -78,11 +81,13 @@ def transformers_state(folder: Path) -> dict[str, torch.Tensor]:
     return model.float().state_dict()  # transformers 5.17 keeps the unquantized weights in bf16 (exact in fp32)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "gpt_oss"])
 def test_fit_from_a_published_folder(model_type: str, tmp_path: Path) -> None:
     model = tiny_family(model_type, seed=3)
     if model_type == "deepseek_v3":
         folder = write_fp8(model, tmp_path / "hf", block=(8, 8), mtp=True)
+    elif model_type == "qwen3_moe":  # Qwen's GPTQ-Int4 releases: act-order, groups of 32 here
+        folder = write_gptq(model, tmp_path / "hf", bits=4, group=32, act_order=True)
     else:
         folder = write_mxfp4(model, tmp_path / "hf")
     edit_config(folder, dtype="bfloat16")  # as the releases say; the fp32 master weights must not follow it
