@@ -2,15 +2,15 @@
 and ``ExpertParallelStrategy(degree=2)`` on 2 gloo processes (``published_fit_worker.py``).
 
 DeepSeek-V3's FP8 release with its multi-token-prediction layer, a GPTQ release of a Qwen3-MoE
-(act-order) and GPT-OSS's MXFP4 experts, each with ``"dtype": "bfloat16"`` in its config: at the start of training every
-parameter equals transformers' own dequantized fp32 load bit for bit (under ``bf16-mixed`` the
-parameters are fp32 master weights, whatever dtype the config names), the multi-token-prediction
-weights are named once (on rank 0) as ignored, and two steps train. The same folders, and
-llm-compressor's FP8 of a Qwen3-MoE (groups of 16) and a bitsandbytes NF4 one, with their experts
-frozen and kept as published (``frozen_experts="fp8"`` / ``"mxfp4"`` / ``"nf4"``) at degree 1, each
-rank holding half of every expert's bytes: the experts gathered and dequantized equal transformers'
-load (of the tensors dequantized by hand, or by bitsandbytes, where transformers does not dequantize
-the format) bit for bit too, and the setup table says where their bytes are split.
+(act-order) and GPT-OSS's MXFP4 experts, each with ``"dtype": "bfloat16"`` in its config: at the
+start of training every parameter equals the folder dequantized (transformers' own fp32 load, or a
+dequantization by hand where transformers does not dequantize the format) bit for bit (under
+``bf16-mixed`` the parameters are fp32 master weights, whatever dtype the config names), the
+multi-token-prediction weights are named once (on rank 0) as ignored, and two steps train. The same
+folders, and llm-compressor's FP8 of a Qwen3-MoE (groups of 16) and a bitsandbytes NF4 one, with
+their experts frozen and kept as published (``frozen_experts="fp8"`` / ``"mxfp4"`` / ``"nf4"``) at
+degree 1, each rank holding half of every expert's bytes: the experts gathered and dequantized equal
+that reference bit for bit too, and the setup table says where their bytes are split.
 """
 
 from __future__ import annotations
