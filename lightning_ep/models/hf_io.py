@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ep.models.hf_encodings import AWQ, BNB4, GPTQ, MXFP4, BlockFP8, Encoded
 from lightning_ep.models.hf_export import LIBRARY_BUFFERS, PathLike, detect_prefix, export_hf
 from lightning_ep.models.hf_layout import FolderLayout, Source, Stacked, Whole, layout, source_keys, source_shape
-from lightning_ep.models.hf_stored import AWQ, BNB4, GPTQ, MXFP4, BlockFP8, Encoded, Opener
+from lightning_ep.models.hf_stored import Opener
 from lightning_ep.moe.experts.frozen import FrozenExpertWeight
 from lightning_ep.moe.quantized import NF4_GROUP, NF4_VALUES, nibbles_swapped, scale_values
 from lightning_ep.parallel.mesh import local_block
@@ -56,7 +57,7 @@ def load_pretrained_sharded(model: nn.Module, folder: PathLike) -> nn.Module:
       MXFP4 experts (``*_blocks`` / ``*_scales``), bitsandbytes 4-bit weights (``*.absmax``,
       ``*.quant_state.*``) and GPTQ and AWQ layers (``*.qweight``, ``*.qzeros``, ``*.scales``, ``*.g_idx``),
       dequantized on the rank that owns the block into the model's dtype, at most ``CHUNK_BYTES`` of
-      rows at a time (other quantized formats are refused by name: ``hf_stored.check_readable``);
+      rows at a time (other quantized formats are refused by name: ``hf_formats.check_readable``);
     - weights transformers ignores for the architecture (multi-token-prediction layers, the class's
       ``_keys_to_ignore_on_load_unexpected``): skipped, and named in one warning on rank 0.
 

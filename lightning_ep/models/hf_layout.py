@@ -6,9 +6,9 @@ Resolved from the folder's safetensors headers alone (no tensor data is read):
   (``get_model_conversion_mapping``): its renamings (Mixtral's ``block_sparse_moe`` -> ``mlp``) and
   its converters that stack per-expert matrices (``MergeModulelist(dim=0)``) and concatenate gate
   and up (``Concatenate(dim=1)``).
-- **Encodings** (``hf_stored``): plain, scaled FP8 (per tensor, row, group or block), MXFP4,
-  bitsandbytes 4-bit, GPTQ, AWQ; a folder quantized otherwise (bitsandbytes' 8-bit, packed int4 or
-  NVFP4, ...) is refused by name.
+- **Encodings** (``hf_encodings``, chosen by ``hf_formats``): plain, scaled FP8 (per tensor, row,
+  group or block), MXFP4, bitsandbytes 4-bit, GPTQ, AWQ; a folder quantized otherwise (bitsandbytes'
+  8-bit, packed int4 or NVFP4, ...) is refused by name.
 - **Keys the model does not use** and transformers ignores: multi-token-prediction layers past
   ``num_hidden_layers`` (DeepSeek-V3, GLM-4.5/4.6), the class's ``_keys_to_ignore_on_load_unexpected``,
   and a static FP8 scheme's activation and KV-cache scales.
@@ -27,7 +27,9 @@ from typing import Any
 
 from torch import nn
 
-from lightning_ep.models.hf_stored import Encoded, check_readable, encode, quantization_config, stored_tensors
+from lightning_ep.models.hf_encodings import Encoded
+from lightning_ep.models.hf_formats import check_readable, encode
+from lightning_ep.models.hf_stored import quantization_config, stored_tensors
 
 
 @dataclass(frozen=True)

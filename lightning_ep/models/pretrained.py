@@ -49,7 +49,8 @@ def published_fp8_block(model: nn.Module) -> tuple[int, int]:
     (``weight_block_size``, or compressed-tensors' ``block_structure`` / ``group_size``), one row
     (``1 x`` the widest expert input) where it scales each row (compressed-tensors' ``channel``
     strategy, FBGEMM's FP8); else ``moe.quantized.FP8_BLOCK`` (which holds per-tensor scales exactly)."""
-    from lightning_ep.models.hf_stored import fp8_blocks, quantization_config
+    from lightning_ep.models.hf_formats import fp8_blocks
+    from lightning_ep.models.hf_stored import quantization_config
     from lightning_ep.moe.quantized import FP8_BLOCK
 
     folder = getattr(model, PRETRAINED_ATTR, None)

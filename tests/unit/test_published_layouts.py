@@ -314,7 +314,8 @@ def test_bitsandbytes_format_equals_its_own_output(tmp_path: Path, variant: str)
     """bitsandbytes' own bytes, state and dequantization of one weight (``tests/data``): the test
     folders' writer reproduces the bytes and state exactly, and every box of rows and columns the
     loader reads equals bitsandbytes' dequantization bit for bit, as does the dequantization by hand."""
-    from lightning_ep.models.hf_stored import Opener, encode, stored_tensors
+    from lightning_ep.models.hf_formats import encode
+    from lightning_ep.models.hf_stored import Opener, stored_tensors
 
     reference = bnb4_reference()
     quant_type, block, double = BNB4_VARIANTS[variant]
@@ -340,7 +341,8 @@ def test_bitsandbytes_blocks_run_over_the_flattened_weight(tmp_path: Path) -> No
     columns equals the dequantization by hand."""
     from safetensors.torch import save_file
 
-    from lightning_ep.models.hf_stored import Opener, encode, stored_tensors
+    from lightning_ep.models.hf_formats import encode
+    from lightning_ep.models.hf_stored import Opener, stored_tensors
 
     torch.manual_seed(0)
     w = torch.randn(423, 40) * torch.logspace(-2, 1, 423)[:, None]  # 16920 values: 264.4 blocks of 64
@@ -364,7 +366,8 @@ def test_gptq_format_equals_autogptq_own_output(tmp_path: Path, variant: str) ->
     in order, 8 bits, one group): every box the loader reads equals AutoGPTQ's values (the fp32
     products, rounded to fp16 as AutoGPTQ computes them), as does the dequantization by hand, and the
     test folders' packer reproduces AutoGPTQ's bytes from the unpacked values."""
-    from lightning_ep.models.hf_stored import Opener, encode, stored_tensors
+    from lightning_ep.models.hf_formats import encode
+    from lightning_ep.models.hf_stored import Opener, stored_tensors
     from lightning_ep.moe.quantized import unpack_int32
 
     reference, bits = gptq_reference(), GPTQ_VARIANTS[variant]
@@ -408,7 +411,8 @@ def test_awq_format_equals_autoawq_own_output(tmp_path: Path, variant: str) -> N
     """AutoAWQ's own packing and fp16 dequantization of two layers (``tests/data``): every box the loader
     reads equals AutoAWQ's values (fp32 products, rounded to fp16 as AutoAWQ computes them), as does the
     dequantization by hand, and the test folders' packer reproduces AutoAWQ's bytes."""
-    from lightning_ep.models.hf_stored import Opener, encode, stored_tensors
+    from lightning_ep.models.hf_formats import encode
+    from lightning_ep.models.hf_stored import Opener, stored_tensors
     from lightning_ep.moe.quantized import unpack_awq
 
     reference, group = awq_reference(), int(variant[1:])
