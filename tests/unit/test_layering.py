@@ -100,12 +100,13 @@ MOE_ALLOWED: dict[str, set[str]] = {
     "layer_execution": set(),
     "layout": set(),
     "quantized": set(),
+    "collectives": set(),
     "routing": {"kernels"},
-    "dispatch": {"kernels", "layer_execution", "tokens", "layout"},
-    "experts": {"kernels", "dispatch", "quantized"},
+    "dispatch": {"kernels", "layer_execution", "tokens", "layout", "collectives"},
+    "experts": {"kernels", "dispatch", "quantized", "collectives"},
     "graph_inputs": set(),
     "graphs": {"kernels", "dispatch", "experts", "graph_inputs", "routing", "tokens"},
-    "tokens": set(),
+    "tokens": {"collectives"},
     "layer": {"kernels", "routing", "dispatch", "experts", "graphs", "tokens", "layer_execution"},
 }
 _MOE_IMPORT = re.compile(r"^\s*(?:from|import)\s+lightning_ep\.moe\.([a-z_]+)", re.MULTILINE)
