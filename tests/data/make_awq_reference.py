@@ -2,7 +2,7 @@
 ``WQLinear_GEMM.from_linear`` (``awq/modules/linear/gemm.py``, the ``version: "gemm"`` layout of AWQ
 releases on the Hub: ``qweight``, ``qzeros``, ``scales``) and AutoAWQ's own dequantization of each
 (``awq/utils/packing_utils.py``'s ``dequantize_gemm``, fp16 as the releases compute it): the
-reference that ``tests/unit/test_published_layouts.py`` holds the loader and the test folders'
+reference that ``tests/unit/test_published_int_layouts.py`` holds the loader and the test folders'
 writer to, without AutoAWQ installed. To regenerate: download and unpack the ``autoawq==0.2.9``
 source and run ``AUTO_AWQ=DIR python make_awq_reference.py`` (``DIR`` holding ``awq/``; the modules
 are loaded from their files: the package's ``__init__`` needs an older transformers).

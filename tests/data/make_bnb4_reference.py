@@ -1,7 +1,7 @@
 """Writes ``bnb4_reference.safetensors``: one weight quantized by bitsandbytes' own ``quantize_4bit``
 and saved as its ``Linear4bit`` saves it (``QuantState.as_dict(packed=True)`` beside the bytes), in
 four variants, with bitsandbytes' own ``dequantize_4bit`` of each (fp32): the reference that
-``tests/unit/test_published_layouts.py`` holds the loader and the test folders' writer to, without
+``tests/unit/test_published_int_layouts.py`` holds the loader and the test folders' writer to, without
 bitsandbytes installed. Run it (``pip install bitsandbytes``; 0.50.2 wrote the file) to regenerate.
 
 Variants ``<name>.weight`` (+ ``.absmax``, ``.quant_map``, ``.nested_absmax``, ``.nested_quant_map``,

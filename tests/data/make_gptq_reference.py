@@ -2,7 +2,7 @@
 (``auto_gptq/nn_modules/qlinear/qlinear_cuda.py``, the layout every GPTQ release on the Hub uses:
 ``qweight``, ``qzeros``, ``scales``, ``g_idx``) and AutoGPTQ's own dequantization of each (its CPU
 forward on the identity, fp16 as the releases compute it): the reference that
-``tests/unit/test_published_layouts.py`` holds the loader and the test folders' writer to, without
+``tests/unit/test_published_int_layouts.py`` holds the loader and the test folders' writer to, without
 AutoGPTQ installed. To regenerate: ``pip install --no-deps --target DIR auto-gptq==0.7.1`` and run
 ``AUTO_GPTQ=DIR python make_gptq_reference.py`` (the module is loaded from its file: the package's
 ``__init__`` needs an older transformers).

@@ -30,7 +30,14 @@ from families_workers import tiny_family
 from frozen_workers import GPT_OSS, run_frozen, run_initialised, run_resharded
 from harness import spawn
 from lora_workers import tiny_base
-from published import write_autofp8, write_bnb4, write_fp8, write_mxfp4
+from published import (
+    write_autofp8,
+    write_fp8,
+    write_mxfp4,
+)
+from published_int import (
+    write_bnb4,
+)
 
 pytestmark = pytest.mark.distributed
 

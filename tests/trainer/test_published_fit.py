@@ -30,16 +30,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import tiny_family
 from published import (
-    bnb4_dequantized,
     dequantized_by_hand,
     edit_config,
-    gptq_dequantized,
-    write_bnb4,
     write_compressed_fp8,
     write_fp8,
-    write_gptq,
     write_mxfp4,
     write_shards,
+)
+from published_int import (
+    bnb4_dequantized,
+    gptq_dequantized,
+    write_bnb4,
+    write_gptq,
 )
 
 WORKER = Path(__file__).with_name("published_fit_worker.py")

@@ -47,17 +47,19 @@ from conftest import tiny_mixtral
 from families_workers import micro_batch, tiny_family
 from lora_workers import lora_config, tiny_base, tiny_peft
 from published import (
-    bnb4_dequantize_by_hand,
     fp8_dequantize_by_hand,
-    gptq_dequantized,
     mxfp4_dequantize_by_hand,
     read_folder,
     write_autofp8,
-    write_bnb4,
     write_compressed_fp8,
     write_fp8,
-    write_gptq,
     write_mxfp4,
+)
+from published_int import (
+    bnb4_dequantize_by_hand,
+    gptq_dequantized,
+    write_bnb4,
+    write_gptq,
 )
 
 CONFIG = MoEConfig(moe_load_balancing="none")

@@ -3,8 +3,7 @@
 Every folder is built from a tiny random model of the family and laid out the way its publisher
 ships it (``tests/distributed/published.py``): per-expert keys in several shard files with an
 index, DeepSeek-V3's block-scaled FP8 (fp32 and E8M0 scales, partial last blocks), llm-compressor's
-and AutoFP8's FP8 with a ``weight_scale`` (per tensor, row, group and block), bitsandbytes' 4-bit
-(NF4 and FP4, with and without double quantization), GPT-OSS's MXFP4
+and AutoFP8's FP8 with a ``weight_scale`` (per tensor, row, group and block), GPT-OSS's MXFP4
 experts, and the multi-token-prediction layer of DeepSeek-V3 and GLM-4.5 (expert weights included).
 
 The reference is transformers' own ``from_pretrained`` of the same folder, dequantized, in fp32:
@@ -20,9 +19,7 @@ weights' products in bf16, so it is compared in bf16: the correctly rounded fp32
 from __future__ import annotations
 
 import copy
-import functools
 import json
-import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -40,35 +37,17 @@ from lightning_ep.moe.quantized import dequantize_fp8_block, dequantize_mxfp4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import FAMILY_NAMES, micro_batch, rel_err, tiny_family
 from published import (
-    AWQ_REFERENCE,
-    BNB4_REFERENCE,
-    GPTQ_REFERENCE,
     add_mtp_layer,
-    awq_dequantize_by_hand,
-    awq_dequantized,
-    awq_pack,
-    awq_reference,
-    bnb4_dequantize_by_hand,
-    bnb4_dequantized,
-    bnb4_quantize,
-    bnb4_reference,
     dequantized_by_hand,
     edit_config,
     fp8_dequantize_by_hand,
     fp8_quantize,
-    gptq_dequantize_by_hand,
-    gptq_dequantized,
-    gptq_pack,
-    gptq_reference,
     mxfp4_dequantize_by_hand,
     mxfp4_quantize,
     read_folder,
     write_autofp8,
-    write_awq,
-    write_bnb4,
     write_compressed_fp8,
     write_fp8,
-    write_gptq,
     write_mxfp4,
     write_shards,
 )
@@ -280,171 +259,6 @@ def test_fp8_in_e5m2_is_read_as_e5m2(tmp_path: Path) -> None:
     keep_frozen_experts(meta, "fp8", block=(1, 64))  # the folder's own per-row grid over 64 columns
     with pytest.warns(UserWarning, match=r"quantized otherwise than the model keeps them \(fp8"):
         load_pretrained_sharded(meta.to_empty(device="cpu"), folder)
-
-
-@pytest.mark.parametrize(("quant_type", "double"), [("nf4", True), ("nf4", False), ("fp4", True)])
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
-def test_bitsandbytes_4bit_release(tmp_path: Path, model_type: str, quant_type: str, double: bool) -> None:
-    """A ``load_in_4bit`` release (unsloth's and others' ``*-bnb-4bit`` of Mixtral and Qwen-MoE, saved
-    when the experts were linear layers): every linear weight, routers included, equals the
-    dequantization by hand (which equals bitsandbytes' own: ``test_bitsandbytes_format_equals_its_own_output``)
-    bit for bit."""
-    if model_type == "mixtral":
-        build = functools.partial(tiny_family_mixtral, intermediate_size=64)
-    else:
-        build = functools.partial(tiny_family, model_type, moe_intermediate_size=64)
-    folder = write_bnb4(build(seed=3), tmp_path / "bnb", quant_type=quant_type, double=double)
-    stored = read_folder(folder)
-    expert = next(k for k in stored if ".experts.5." in k and k.endswith(".weight"))
-    assert stored[expert].dtype == torch.uint8 and f"{expert}.quant_state.bitsandbytes__{quant_type}" in stored
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing in the folder goes unused
-        model = load_pretrained_sharded(transformed(build(seed=11)), folder).eval()
-    reference = by_hand_model(build(seed=0), folder, tmp_path / "hand", bnb4_dequantized(folder))
-    assert_same(model, reference)
-    assert_same_logits(model, reference)
-
-
-BNB4_VARIANTS = {"nf4_double": ("nf4", 64, True), "nf4_double_32": ("nf4", 32, True), "nf4_single": ("nf4", 64, False)}
-BNB4_VARIANTS["fp4_double"] = ("fp4", 64, True)
-
-
-@pytest.mark.parametrize("variant", list(BNB4_VARIANTS))
-def test_bitsandbytes_format_equals_its_own_output(tmp_path: Path, variant: str) -> None:
-    """bitsandbytes' own bytes, state and dequantization of one weight (``tests/data``): the test
-    folders' writer reproduces the bytes and state exactly, and every box of rows and columns the
-    loader reads equals bitsandbytes' dequantization bit for bit, as does the dequantization by hand."""
-    from lightning_ep.models.hf_formats import encode
-    from lightning_ep.models.hf_stored import Opener, stored_tensors
-
-    reference = bnb4_reference()
-    quant_type, block, double = BNB4_VARIANTS[variant]
-    mine = bnb4_quantize(reference["source"].float(), quant_type, block, double)
-    for name, value in mine.items():
-        assert torch.equal(value, reference[f"{variant}.{name}"]), name
-    theirs = reference[f"{variant}.dequantized"]
-    assert torch.equal(bnb4_dequantize_by_hand(reference, f"{variant}.weight"), theirs)
-    shutil.copy(BNB4_REFERENCE, tmp_path / "model.safetensors")
-    encoded, _ = encode(stored_tensors(tmp_path), {"quant_method": "bitsandbytes", "load_in_4bit": True})
-    weight = encoded[f"{variant}.weight"]
-    assert weight.shape == (72, 128)
-    opener = Opener()
-    for r0, r1, c0, c1 in [(0, 72, 0, 128), (1, 2, 0, 128), (3, 71, 5, 99), (71, 72, 127, 128), (2, 40, 0, 1)]:
-        box = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
-        assert torch.equal(box, theirs[r0:r1, c0:c1]), (r0, r1, c0, c1)
-    opener.close()
-
-
-def test_bitsandbytes_blocks_run_over_the_flattened_weight(tmp_path: Path) -> None:
-    """bitsandbytes cuts the flattened ``[R, C]`` weight into blocks (here of 64 over rows of 40: a
-    block spans two rows, the last is partial, the absmax need two blocks of 256): any box of rows and
-    columns equals the dequantization by hand."""
-    from safetensors.torch import save_file
-
-    from lightning_ep.models.hf_formats import encode
-    from lightning_ep.models.hf_stored import Opener, stored_tensors
-
-    torch.manual_seed(0)
-    w = torch.randn(423, 40) * torch.logspace(-2, 1, 423)[:, None]  # 16920 values: 264.4 blocks of 64
-    tensors = {"w" + k.removeprefix("weight"): v for k, v in bnb4_quantize(w).items()}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "model.safetensors")
-    by_hand = bnb4_dequantize_by_hand(tensors, "w")
-    weight = encode(stored_tensors(tmp_path), {})[0]["w"]
-    opener = Opener()
-    for r0, r1, c0, c1 in [(0, 423, 0, 40), (1, 2, 0, 40), (3, 420, 5, 29), (422, 423, 39, 40), (409, 423, 0, 1)]:
-        block = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
-        assert torch.equal(block, by_hand[r0:r1, c0:c1]), (r0, r1, c0, c1)
-    opener.close()
-
-
-GPTQ_VARIANTS = {"b4_g64_act": 4, "b4_g128": 4, "b8_g64": 8, "b4_whole": 4}
-
-
-@pytest.mark.parametrize("variant", list(GPTQ_VARIANTS))
-def test_gptq_format_equals_autogptq_own_output(tmp_path: Path, variant: str) -> None:
-    """AutoGPTQ's own packing and fp16 dequantization of four layers (``tests/data``: act-order, groups
-    in order, 8 bits, one group): every box the loader reads equals AutoGPTQ's values (the fp32
-    products, rounded to fp16 as AutoGPTQ computes them), as does the dequantization by hand, and the
-    test folders' packer reproduces AutoGPTQ's bytes from the unpacked values."""
-    from lightning_ep.models.hf_formats import encode
-    from lightning_ep.models.hf_stored import Opener, stored_tensors
-    from lightning_ep.moe.quantized import unpack_int32
-
-    reference, bits = gptq_reference(), GPTQ_VARIANTS[variant]
-    theirs = reference[f"{variant}.dequantized"]
-    assert torch.equal(gptq_dequantize_by_hand(reference, variant, bits).half(), theirs)
-    q = unpack_int32(reference[f"{variant}.qweight"], bits, 0).t()
-    zeros = ((unpack_int32(reference[f"{variant}.qzeros"], bits, 1) + 1) & (2**bits - 1)).t()
-    packed = gptq_pack(q, zeros, reference[f"{variant}.scales"].t(), reference[f"{variant}.g_idx"], bits)
-    for name, value in packed.items():
-        assert torch.equal(value, reference[f"{variant}.{name}"]), name
-    shutil.copy(GPTQ_REFERENCE, tmp_path / "model.safetensors")
-    quant = {"quant_method": "gptq", "bits": bits, "group_size": 64, "checkpoint_format": "gptq"}
-    weight = encode(stored_tensors(tmp_path), quant)[0][f"{variant}.weight"]
-    assert weight.shape == (96, 256)
-    opener = Opener()
-    for r0, r1, c0, c1 in [(0, 96, 0, 256), (5, 77, 3, 201), (95, 96, 255, 256), (8, 16, 64, 128)]:
-        box = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
-        assert torch.equal(box.half(), theirs[r0:r1, c0:c1]), (r0, r1, c0, c1)
-    opener.close()
-
-
-@pytest.mark.parametrize(("bits", "act_order", "v2"), [(4, False, False), (4, True, False), (8, False, True)])
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
-def test_gptq_release(tmp_path: Path, model_type: str, bits: int, act_order: bool, v2: bool) -> None:
-    """A GPTQ release (Qwen's ``*-GPTQ-Int4`` of its MoE models, TheBloke's Mixtral): every quantized
-    layer, experts per expert, equals the dequantization by hand bit for bit (fp32 products)."""
-    build = tiny_family_mixtral if model_type == "mixtral" else functools.partial(tiny_family, model_type)
-    folder = write_gptq(build(seed=3), tmp_path / "gptq", bits=bits, group=32, act_order=act_order, v2=v2)
-    stored = read_folder(folder)
-    assert stored[next(k for k in stored if ".experts.5." in k and k.endswith(".qweight"))].dtype == torch.int32
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing in the folder goes unused
-        model = load_pretrained_sharded(transformed(build(seed=11)), folder).eval()
-    reference = by_hand_model(build(seed=0), folder, tmp_path / "hand", gptq_dequantized(folder))
-    assert_same(model, reference)
-    assert_same_logits(model, reference)
-
-
-@pytest.mark.parametrize("variant", ["g128", "g64"])
-def test_awq_format_equals_autoawq_own_output(tmp_path: Path, variant: str) -> None:
-    """AutoAWQ's own packing and fp16 dequantization of two layers (``tests/data``): every box the loader
-    reads equals AutoAWQ's values (fp32 products, rounded to fp16 as AutoAWQ computes them), as does the
-    dequantization by hand, and the test folders' packer reproduces AutoAWQ's bytes."""
-    from lightning_ep.models.hf_formats import encode
-    from lightning_ep.models.hf_stored import Opener, stored_tensors
-    from lightning_ep.moe.quantized import unpack_awq
-
-    reference, group = awq_reference(), int(variant[1:])
-    theirs = reference[f"{variant}.dequantized"]
-    assert torch.equal(awq_dequantize_by_hand(reference, variant, group).half(), theirs)
-    q, zeros = unpack_awq(reference[f"{variant}.qweight"]).t(), unpack_awq(reference[f"{variant}.qzeros"]).t()
-    for name, value in awq_pack(q, zeros, reference[f"{variant}.scales"].t()).items():
-        assert torch.equal(value, reference[f"{variant}.{name}"]), name
-    shutil.copy(AWQ_REFERENCE, tmp_path / "model.safetensors")
-    quant = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True}
-    tensors = {k: v for k, v in stored_tensors(tmp_path).items() if k.startswith(variant + ".")}
-    weight = encode(tensors, quant)[0][f"{variant}.weight"]
-    assert weight.shape == (96, 256)
-    opener = Opener()
-    for r0, r1, c0, c1 in [(0, 96, 0, 256), (5, 77, 3, 201), (95, 96, 255, 256), (8, 16, 64, 128)]:
-        box = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
-        assert torch.equal(box.half(), theirs[r0:r1, c0:c1]), (r0, r1, c0, c1)
-    opener.close()
-
-
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
-def test_awq_release(tmp_path: Path, model_type: str) -> None:
-    """An AWQ release (TheBloke's and casperhansen's Mixtral): every quantized layer, experts per expert,
-    equals the dequantization by hand bit for bit (fp32 products); the routers stay in fp16."""
-    build = tiny_family_mixtral if model_type == "mixtral" else functools.partial(tiny_family, model_type)
-    folder = write_awq(build(seed=3), tmp_path / "awq", group=32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        model = load_pretrained_sharded(transformed(build(seed=11)), folder).eval()
-    reference = by_hand_model(build(seed=0), folder, tmp_path / "hand", awq_dequantized(folder))
-    assert_same(model, reference)
-    assert_same_logits(model, reference)
 
 
 def test_autofp8_static_per_tensor_release(tmp_path: Path) -> None:
