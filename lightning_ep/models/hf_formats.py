@@ -91,10 +91,8 @@ def check_readable(quant: Mapping[str, Any], folder: Path) -> None:
         + (f" ({detail})" if detail else "")
         + ", which this loader does not read: it reads FP8 weights (weight_scale_inv or weight_scale: per "
         "tensor, row, group or block), MXFP4 experts, bitsandbytes' 4-bit, GPTQ's 2, 4 and 8-bit and AWQ's "
-        "4-bit weights. "
-        "Start from the "
-        "publisher's bf16 or FP8 release; to hold the experts in 4 bits while LoRA trains, load it with "
-        "ExpertParallelStrategy(frozen_experts='nf4') (or 'mxfp4')."
+        "4-bit weights. Start from the publisher's bf16 or FP8 release; to hold the experts in 4 bits while "
+        "LoRA trains, load it with ExpertParallelStrategy(frozen_experts='nf4') (or 'mxfp4')."
     )
 
 
