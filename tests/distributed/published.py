@@ -104,8 +104,9 @@ def fp8_dequantize_by_hand(q: torch.Tensor, scale: torch.Tensor, block: tuple[in
     return out
 
 
-def _fp8_target(key: str, tensor: torch.Tensor) -> bool:
-    """The weights DeepSeek-V3's release stores in FP8: the decoder layers' linear weights except the router."""
+def quantized_linear(key: str, tensor: torch.Tensor) -> bool:
+    """The weights the releases quantize (DeepSeek-V3's FP8, llm-compressor's, AutoFP8's, GPTQ's, AWQ's): the
+    decoder layers' linear weights except the routers."""
     return (
         tensor.ndim == 2
         and ".layers." in key
@@ -130,7 +131,7 @@ def write_fp8(
         state.update(mtp_layer(model, state))
     quantized: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
-        if _fp8_target(key, tensor):
+        if quantized_linear(key, tensor):
             quantized[key], quantized[key + "_scale_inv"] = fp8_quantize(tensor, block, e8m0)
         else:
             quantized[key] = tensor.to(torch.bfloat16)
@@ -182,7 +183,7 @@ def write_compressed_fp8(
     model.save_pretrained(folder)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in read_folder(folder).items():
-        if _fp8_target(key, tensor):
+        if quantized_linear(key, tensor):
             q, scale = fp8_scaled(tensor, scheme_block(strategy, tensor.shape, group, block), torch.bfloat16)
             out[key], out[key + "_scale"] = q, scale.reshape(1) if strategy == "tensor" else scale
         else:
@@ -220,7 +221,7 @@ def write_autofp8(model: nn.Module, folder: Path, *, shards: int = 2) -> Path:
     model.save_pretrained(folder)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in read_folder(folder).items():
-        if _fp8_target(key, tensor):
+        if quantized_linear(key, tensor):
             q, scale = fp8_scaled(tensor, tuple(tensor.shape), torch.float32)
             out[key], out[key + "_scale"] = q, scale.reshape(())
             out[key.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)

@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 
 import torch
-from published import edit_config, read_folder, write_shards
+from published import edit_config, quantized_linear, read_folder, write_shards
 from safetensors import safe_open
 from torch import nn
 
@@ -230,16 +230,6 @@ def gptq_dequantize_by_hand(tensors: dict[str, torch.Tensor], layer: str, bits: 
     return torch.stack(columns, dim=1)
 
 
-def _gptq_target(key: str, tensor: torch.Tensor) -> bool:
-    """The layers AutoGPTQ and AutoAWQ quantize in a decoder layer: the linear ones but the routers."""
-    return (
-        tensor.ndim == 2
-        and ".layers." in key
-        and key.endswith(".weight")
-        and not key.endswith(("gate.weight", "head.weight"))
-    )
-
-
 def write_gptq(
     model: nn.Module, folder: Path, *, bits: int = 4, group: int = 32, act_order: bool = False, v2: bool = False
 ) -> Path:
@@ -247,7 +237,7 @@ def write_gptq(
     model.save_pretrained(folder)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in read_folder(folder).items():
-        if _gptq_target(key, tensor):
+        if quantized_linear(key, tensor):
             layer = key.removesuffix(".weight")
             quantized = gptq_quantize(tensor, bits, group, act_order, v2)
             out.update({f"{layer}.{name}": value for name, value in quantized.items()})
@@ -343,7 +333,7 @@ def write_awq(model: nn.Module, folder: Path, *, group: int = 32) -> Path:
     model.save_pretrained(folder)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in read_folder(folder).items():
-        if _gptq_target(key, tensor):
+        if quantized_linear(key, tensor):
             layer = key.removesuffix(".weight")
             out.update({f"{layer}.{name}": value for name, value in awq_quantize(tensor, group).items()})
         else:

@@ -14,13 +14,17 @@ import functools
 import shutil
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from test_published_layouts import assert_same, assert_same_logits, by_hand_model, tiny_family_mixtral, transformed
+from torch import nn
 
 from lightning_ep.models.hf_io import load_pretrained_sharded
+from lightning_ep.models.hf_stored import Opener
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import tiny_family
@@ -46,6 +50,34 @@ from published_int import (
     write_gptq,
 )
 
+#: Boxes of a [96, 256] layer: whole, interior ragged, the last element, whole groups.
+BOXES_96_256 = [(0, 96, 0, 256), (5, 77, 3, 201), (95, 96, 255, 256), (8, 16, 64, 128)]
+
+
+def assert_reads(
+    weight: Any, expected: torch.Tensor, boxes: list[tuple[int, int, int, int]], dtype: torch.dtype | None = None
+) -> None:
+    """Every ``(r0, r1, c0, c1)`` box of ``weight`` (an encoding), read in fp32 (and rounded to ``dtype``
+    where the reference computed in it), equals that box of ``expected``."""
+    opener = Opener()
+    for r0, r1, c0, c1 in boxes:
+        box = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
+        assert torch.equal(box if dtype is None else box.to(dtype), expected[r0:r1, c0:c1]), (r0, r1, c0, c1)
+    opener.close()
+
+
+def assert_loads_as_by_hand(
+    build: Callable[..., nn.Module], folder: Path, hand: Path, tensors: dict[str, torch.Tensor]
+) -> None:
+    """A transformed model of ``build`` loaded from ``folder`` (no warning: nothing goes unused) equals,
+    parameter by parameter and on logits, transformers' load of ``tensors`` (dequantized by hand)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_pretrained_sharded(transformed(build(seed=11)), folder).eval()
+    reference = by_hand_model(build(seed=0), folder, hand, tensors)
+    assert_same(model, reference)
+    assert_same_logits(model, reference)
+
 
 @pytest.mark.parametrize(("quant_type", "double"), [("nf4", True), ("nf4", False), ("fp4", True)])
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
@@ -62,12 +94,7 @@ def test_bitsandbytes_4bit_release(tmp_path: Path, model_type: str, quant_type: 
     stored = read_folder(folder)
     expert = next(k for k in stored if ".experts.5." in k and k.endswith(".weight"))
     assert stored[expert].dtype == torch.uint8 and f"{expert}.quant_state.bitsandbytes__{quant_type}" in stored
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing in the folder goes unused
-        model = load_pretrained_sharded(transformed(build(seed=11)), folder).eval()
-    reference = by_hand_model(build(seed=0), folder, tmp_path / "hand", bnb4_dequantized(folder))
-    assert_same(model, reference)
-    assert_same_logits(model, reference)
+    assert_loads_as_by_hand(build, folder, tmp_path / "hand", bnb4_dequantized(folder))
 
 
 BNB4_VARIANTS = {"nf4_double": ("nf4", 64, True), "nf4_double_32": ("nf4", 32, True), "nf4_single": ("nf4", 64, False)}
@@ -80,7 +107,7 @@ def test_bitsandbytes_format_equals_its_own_output(tmp_path: Path, variant: str)
     folders' writer reproduces the bytes and state exactly, and every box of rows and columns the
     loader reads equals bitsandbytes' dequantization bit for bit, as does the dequantization by hand."""
     from lightning_ep.models.hf_formats import encode
-    from lightning_ep.models.hf_stored import Opener, stored_tensors
+    from lightning_ep.models.hf_stored import stored_tensors
 
     reference = bnb4_reference()
     quant_type, block, double = BNB4_VARIANTS[variant]
@@ -93,11 +120,7 @@ def test_bitsandbytes_format_equals_its_own_output(tmp_path: Path, variant: str)
     encoded, _ = encode(stored_tensors(tmp_path), {"quant_method": "bitsandbytes", "load_in_4bit": True})
     weight = encoded[f"{variant}.weight"]
     assert weight.shape == (72, 128)
-    opener = Opener()
-    for r0, r1, c0, c1 in [(0, 72, 0, 128), (1, 2, 0, 128), (3, 71, 5, 99), (71, 72, 127, 128), (2, 40, 0, 1)]:
-        box = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
-        assert torch.equal(box, theirs[r0:r1, c0:c1]), (r0, r1, c0, c1)
-    opener.close()
+    assert_reads(weight, theirs, [(0, 72, 0, 128), (1, 2, 0, 128), (3, 71, 5, 99), (71, 72, 127, 128), (2, 40, 0, 1)])
 
 
 def test_bitsandbytes_blocks_run_over_the_flattened_weight(tmp_path: Path) -> None:
@@ -107,7 +130,7 @@ def test_bitsandbytes_blocks_run_over_the_flattened_weight(tmp_path: Path) -> No
     from safetensors.torch import save_file
 
     from lightning_ep.models.hf_formats import encode
-    from lightning_ep.models.hf_stored import Opener, stored_tensors
+    from lightning_ep.models.hf_stored import stored_tensors
 
     torch.manual_seed(0)
     w = torch.randn(423, 40) * torch.logspace(-2, 1, 423)[:, None]  # 16920 values: 264.4 blocks of 64
@@ -115,11 +138,9 @@ def test_bitsandbytes_blocks_run_over_the_flattened_weight(tmp_path: Path) -> No
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "model.safetensors")
     by_hand = bnb4_dequantize_by_hand(tensors, "w")
     weight = encode(stored_tensors(tmp_path), {})[0]["w"]
-    opener = Opener()
-    for r0, r1, c0, c1 in [(0, 423, 0, 40), (1, 2, 0, 40), (3, 420, 5, 29), (422, 423, 39, 40), (409, 423, 0, 1)]:
-        block = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
-        assert torch.equal(block, by_hand[r0:r1, c0:c1]), (r0, r1, c0, c1)
-    opener.close()
+    assert_reads(
+        weight, by_hand, [(0, 423, 0, 40), (1, 2, 0, 40), (3, 420, 5, 29), (422, 423, 39, 40), (409, 423, 0, 1)]
+    )
 
 
 GPTQ_VARIANTS = {"b4_g64_act": 4, "b4_g128": 4, "b8_g64": 8, "b4_whole": 4}
@@ -132,7 +153,7 @@ def test_gptq_format_equals_autogptq_own_output(tmp_path: Path, variant: str) ->
     products, rounded to fp16 as AutoGPTQ computes them), as does the dequantization by hand, and the
     test folders' packer reproduces AutoGPTQ's bytes from the unpacked values."""
     from lightning_ep.models.hf_formats import encode
-    from lightning_ep.models.hf_stored import Opener, stored_tensors
+    from lightning_ep.models.hf_stored import stored_tensors
     from lightning_ep.moe.quantized import unpack_int32
 
     reference, bits = gptq_reference(), GPTQ_VARIANTS[variant]
@@ -147,11 +168,7 @@ def test_gptq_format_equals_autogptq_own_output(tmp_path: Path, variant: str) ->
     quant = {"quant_method": "gptq", "bits": bits, "group_size": 64, "checkpoint_format": "gptq"}
     weight = encode(stored_tensors(tmp_path), quant)[0][f"{variant}.weight"]
     assert weight.shape == (96, 256)
-    opener = Opener()
-    for r0, r1, c0, c1 in [(0, 96, 0, 256), (5, 77, 3, 201), (95, 96, 255, 256), (8, 16, 64, 128)]:
-        box = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
-        assert torch.equal(box.half(), theirs[r0:r1, c0:c1]), (r0, r1, c0, c1)
-    opener.close()
+    assert_reads(weight, theirs, BOXES_96_256, torch.float16)
 
 
 @pytest.mark.parametrize(("bits", "act_order", "v2"), [(4, False, False), (4, True, False), (8, False, True)])
@@ -163,12 +180,7 @@ def test_gptq_release(tmp_path: Path, model_type: str, bits: int, act_order: boo
     folder = write_gptq(build(seed=3), tmp_path / "gptq", bits=bits, group=32, act_order=act_order, v2=v2)
     stored = read_folder(folder)
     assert stored[next(k for k in stored if ".experts.5." in k and k.endswith(".qweight"))].dtype == torch.int32
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing in the folder goes unused
-        model = load_pretrained_sharded(transformed(build(seed=11)), folder).eval()
-    reference = by_hand_model(build(seed=0), folder, tmp_path / "hand", gptq_dequantized(folder))
-    assert_same(model, reference)
-    assert_same_logits(model, reference)
+    assert_loads_as_by_hand(build, folder, tmp_path / "hand", gptq_dequantized(folder))
 
 
 @pytest.mark.parametrize("variant", ["g128", "g64"])
@@ -177,7 +189,7 @@ def test_awq_format_equals_autoawq_own_output(tmp_path: Path, variant: str) -> N
     reads equals AutoAWQ's values (fp32 products, rounded to fp16 as AutoAWQ computes them), as does the
     dequantization by hand, and the test folders' packer reproduces AutoAWQ's bytes."""
     from lightning_ep.models.hf_formats import encode
-    from lightning_ep.models.hf_stored import Opener, stored_tensors
+    from lightning_ep.models.hf_stored import stored_tensors
     from lightning_ep.moe.quantized import unpack_awq
 
     reference, group = awq_reference(), int(variant[1:])
@@ -191,11 +203,7 @@ def test_awq_format_equals_autoawq_own_output(tmp_path: Path, variant: str) -> N
     tensors = {k: v for k, v in stored_tensors(tmp_path).items() if k.startswith(variant + ".")}
     weight = encode(tensors, quant)[0][f"{variant}.weight"]
     assert weight.shape == (96, 256)
-    opener = Opener()
-    for r0, r1, c0, c1 in [(0, 96, 0, 256), (5, 77, 3, 201), (95, 96, 255, 256), (8, 16, 64, 128)]:
-        box = weight.read(opener, (slice(r0, r1), slice(c0, c1)), torch.float32)
-        assert torch.equal(box.half(), theirs[r0:r1, c0:c1]), (r0, r1, c0, c1)
-    opener.close()
+    assert_reads(weight, theirs, BOXES_96_256, torch.float16)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
@@ -204,12 +212,7 @@ def test_awq_release(tmp_path: Path, model_type: str) -> None:
     equals the dequantization by hand bit for bit (fp32 products); the routers stay in fp16."""
     build = tiny_family_mixtral if model_type == "mixtral" else functools.partial(tiny_family, model_type)
     folder = write_awq(build(seed=3), tmp_path / "awq", group=32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        model = load_pretrained_sharded(transformed(build(seed=11)), folder).eval()
-    reference = by_hand_model(build(seed=0), folder, tmp_path / "hand", awq_dequantized(folder))
-    assert_same(model, reference)
-    assert_same_logits(model, reference)
+    assert_loads_as_by_hand(build, folder, tmp_path / "hand", awq_dequantized(folder))
 
 
 def test_layers_whose_parts_do_not_fit_are_refused_by_name(tmp_path: Path) -> None:
