@@ -130,13 +130,22 @@ def check_devices(degree: int, replicate_degree: int, *, devices: int, num_nodes
         ) from None
 
 
-def check_can_checkpoint(hf_model: Any, mode: Any) -> None:
-    """Activation checkpointing goes through Hugging Face's ``gradient_checkpointing_enable``."""
-    if not callable(getattr(hf_model, "gradient_checkpointing_enable", None)):
+def enable_checkpointing(hf_model: Any, mode: Any) -> None:
+    """Hugging Face's activation checkpointing, set to torch's non-reentrant checkpoint:
+    ``activation_checkpointing_enable`` (transformers 5.23 on), else ``gradient_checkpointing_enable``
+    (its older name, which warns where the new one exists). A model with neither is refused."""
+    enable = getattr(hf_model, "activation_checkpointing_enable", None)
+    if callable(enable):
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return
+    enable = getattr(hf_model, "gradient_checkpointing_enable", None)
+    if not callable(enable):
         raise TypeError(
-            f"ExpertParallelStrategy(activation_checkpointing={mode!r}): {type(hf_model).__name__} has no "
-            "gradient_checkpointing_enable(); pass a Hugging Face model or activation_checkpointing=False."
+            f"ExpertParallelStrategy(activation_checkpointing={mode!r}): {type(hf_model).__name__} has neither "
+            "activation_checkpointing_enable() nor gradient_checkpointing_enable(); pass a Hugging Face model or "
+            "activation_checkpointing=False."
         )
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def check_dither(precision: str) -> None:

@@ -50,11 +50,11 @@ from lightning_ep.parallel.fsdp import (
 from lightning_ep.parallel.mesh import check_layout, init_mesh
 from lightning_ep.strategy.arguments import (
     check_arguments,
-    check_can_checkpoint,
     check_devices,
     check_dither,
     check_expert_gemms,
     check_precision,
+    enable_checkpointing,
 )
 from lightning_ep.strategy.errors import shown_once
 from lightning_ep.strategy.model_selection import select
@@ -337,9 +337,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             with shown_once(self.global_rank):
                 check_expert_gemms(self.expert_gemms, self.root_device, self.precision_plugin.precision)
         if self.activation_checkpointing:
-            check_can_checkpoint(hf_model, self.activation_checkpointing)
-            enable_checkpointing = hf_model.gradient_checkpointing_enable
-            enable_checkpointing(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+            enable_checkpointing(hf_model, self.activation_checkpointing)
         single_rank = self.resolved is not None and self.resolved.single_rank_fsdp
         if self.moe.smp_moe:
             with shown_once(self.global_rank):  # a degree that does not divide the expert count

@@ -20,6 +20,7 @@ from workers import tiny_mixtral
 
 import lightning_ep
 from lightning_ep.models.peft_lora import stacked_to_peft
+from lightning_ep.strategy.arguments import enable_checkpointing
 
 LORA_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -156,7 +157,7 @@ def check_lora_bf16(rank: int, world: int, model_type: str, precision: str) -> N
     model = copy.deepcopy(reference)
     if precision == "bf16-true":
         model = model.to(torch.bfloat16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, True)
     mesh = lightning_ep.init_mesh(2, device_type="cpu")
     lightning_ep.transform(model, CONFIG, mesh=mesh)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -12,6 +12,7 @@ from workers import full, micro_batch, rel_err, tiny_mixtral
 import lightning_ep
 from lightning_ep import LayerExecution, MoEConfig
 from lightning_ep.moe.routing.rng import in_backward
+from lightning_ep.strategy.arguments import enable_checkpointing
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
@@ -53,7 +54,7 @@ def run_keep_all_to_all(
     results = []
     for keep in (False, True):
         model = copy.deepcopy(base)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, True)
         mesh = lightning_ep.init_mesh(2, device_type=torch.device(device).type)
         lightning_ep.transform(model, config, mesh=mesh, execution=LayerExecution(token_dedup=dedup))
         lightning_ep.shard_model(model, mesh)

@@ -266,7 +266,9 @@ def run_trainer(args: argparse.Namespace) -> dict:
         slow_down_saves_from({"trainer": trainer}, args.slow_save_from, 600.0)
     data = DataLoader(Tokens(args.samples), batch_size=args.batch, shuffle=False, drop_last=True)
     trainer.fit(module, data, ckpt_path=args.resume)
-    checkpointed = getattr(module.model, "is_gradient_checkpointing", False)
+    checkpointed = getattr(module.model, "is_activation_checkpointing", None)  # transformers 5.23 on
+    if checkpointed is None:
+        checkpointed = getattr(module.model, "is_gradient_checkpointing", False)
     kept = [bool(layer.keep_all_to_all and not layer._kept) for layer in lightning_ep.moe_layers(module.model)]
     from torch._dynamo.utils import counters
 

@@ -33,6 +33,7 @@ from lightning_ep.parallel.compile import (
     is_compiled,
 )
 from lightning_ep.parallel.fsdp import decoder_blocks
+from lightning_ep.strategy.arguments import enable_checkpointing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import FAMILY_NAMES, tiny_family
@@ -216,7 +217,7 @@ def test_final_norm_is_the_norm_before_the_output_projection(family: str) -> Non
 def test_checkpointed_layers_still_compile() -> None:
     """Hugging Face checkpoints a decoder layer's ``forward``; the compiled children run inside it."""
     model = lightning_ep.transform(_tiny("mixtral"), lightning_ep.MoEConfig())
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, True)
     reference = copy.deepcopy(model)
     compile_blocks(decoder_blocks(model))
     torch._dynamo.reset()

@@ -41,6 +41,7 @@ from lightning_ep.moe.quantized import (
     quantize_mxfp4,
     quantize_nf4,
 )
+from lightning_ep.strategy.arguments import enable_checkpointing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from conftest import tiny_mixtral
@@ -621,7 +622,7 @@ def test_saved_activations_reach_the_hooks_in_force_and_weights_do_not() -> None
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad()
     for m in (model, reference):
-        m.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(m.get_base_model(), True)
     checkpointed = model(input_ids=ids, labels=ids).loss
     checkpointed.backward()
     reference(input_ids=ids, labels=ids).loss.backward()

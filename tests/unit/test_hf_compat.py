@@ -1,6 +1,7 @@
 """What a transformed model keeps of Hugging Face's behaviour (``lightning_ep.models.hf_compat``):
 router logits and transformers' own aux loss, weight init, the experts-implementation switch,
-``torch.compile(fullgraph=True)``, and the refusal of transformers' own expert parallelism.
+``torch.compile(fullgraph=True)``, the refusal of transformers' own expert parallelism, and the
+switch the strategy's ``activation_checkpointing`` turns on.
 Each against the untouched Hugging Face model.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import warnings
 from pathlib import Path
 from unittest.mock import patch
 
@@ -19,6 +21,7 @@ from conftest import rel_err, tiny_mixtral
 import lightning_ep
 from lightning_ep import MoEConfig
 from lightning_ep.models.hf_compat import EXPERTS_IMPLEMENTATION
+from lightning_ep.strategy.arguments import enable_checkpointing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from families_workers import tiny_family
@@ -247,3 +250,23 @@ def test_transformers_expert_parallelism_is_refused() -> None:
     experts = lightning_ep.moe_layers(lightning_ep.transform(tiny_mixtral(), NONE))[0].experts
     with pytest.raises(RuntimeError, match=r"transformers' own expert parallelism \(DistributedConfig"):
         experts.num_experts = 4  # what transformers' MoEParamShard does to the experts it shards
+
+
+# ---------------------------------------------------------------- activation checkpointing
+
+
+def test_activation_checkpointing_uses_the_current_switch_without_a_warning() -> None:
+    """transformers 5.23 renamed ``gradient_checkpointing_enable``; the old name warns on every rank."""
+    model = tiny_mixtral(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        enable_checkpointing(model, True)
+    checkpoint = model.model.layers[0]._gradient_checkpointing_func
+    assert model.model.layers[0].gradient_checkpointing
+    assert checkpoint.func is torch.utils.checkpoint.checkpoint and checkpoint.keywords == {"use_reentrant": False}
+
+
+def test_activation_checkpointing_refuses_a_model_without_a_switch() -> None:
+    message = r"activation_checkpointing=True\): Linear has neither .* activation_checkpointing=False\."
+    with pytest.raises(TypeError, match=message):
+        enable_checkpointing(torch.nn.Linear(8, 8), True)

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import lightning_ep
 from lightning_ep.moe import GroupedExperts, MoEConfig, MoELayer, TopKRouter, sinkhorn_log
+from lightning_ep.strategy.arguments import enable_checkpointing
 
 H, I, E, K = 64, 32, 8, 2  # noqa: E741 (shape letters, as in lightning_ep.moe)
 
@@ -409,9 +410,7 @@ def test_hf_gradient_checkpointing_keeps_jitter_gradients():
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     plain = _jitter_model()
     ckpt = copy.deepcopy(plain)
-    # transformers' default is non-reentrant; the method was renamed after 5.17.
-    enable = getattr(ckpt, "activation_checkpointing_enable", None) or ckpt.gradient_checkpointing_enable
-    enable()
+    enable_checkpointing(ckpt, True)
     # A pre-hook, since checkpointing's early stop may end a recompute before forward hooks run.
     calls = []
     for layer in lightning_ep.moe_layers(ckpt):
