@@ -149,15 +149,17 @@ GPTQ_VARIANTS = {"b4_g64_act": 4, "b4_g128": 4, "b8_g64": 8, "b4_whole": 4}
 @pytest.mark.parametrize("variant", list(GPTQ_VARIANTS))
 def test_gptq_format_equals_autogptq_own_output(tmp_path: Path, variant: str) -> None:
     """AutoGPTQ's own packing and fp16 dequantization of four layers (``tests/data``: act-order, groups
-    in order, 8 bits, one group): every box the loader reads equals AutoGPTQ's values (the fp32
-    products, rounded to fp16 as AutoGPTQ computes them), as does the dequantization by hand, and the
-    test folders' packer reproduces AutoGPTQ's bytes from the unpacked values."""
+    in order, 8 bits, one group): AutoGPTQ gives back the weight it packed (already on the grid), every
+    box the loader reads equals AutoGPTQ's values (the fp32 products, rounded to fp16 as AutoGPTQ
+    computes them), as does the dequantization by hand, and the test folders' packer reproduces
+    AutoGPTQ's bytes from the unpacked values."""
     from lightning_ep.models.hf_formats import encode
     from lightning_ep.models.hf_stored import stored_tensors
     from lightning_ep.moe.quantized import unpack_int32
 
     reference, bits = gptq_reference(), GPTQ_VARIANTS[variant]
     theirs = reference[f"{variant}.dequantized"]
+    assert torch.equal(theirs.float(), reference[f"{variant}.source"])  # the packed weight, given back
     assert torch.equal(gptq_dequantize_by_hand(reference, variant, bits).half(), theirs)
     q = unpack_int32(reference[f"{variant}.qweight"], bits, 0).t()
     zeros = ((unpack_int32(reference[f"{variant}.qzeros"], bits, 1) + 1) & (2**bits - 1)).t()
@@ -185,15 +187,17 @@ def test_gptq_release(tmp_path: Path, model_type: str, bits: int, act_order: boo
 
 @pytest.mark.parametrize("variant", ["g128", "g64"])
 def test_awq_format_equals_autoawq_own_output(tmp_path: Path, variant: str) -> None:
-    """AutoAWQ's own packing and fp16 dequantization of two layers (``tests/data``): every box the loader
-    reads equals AutoAWQ's values (fp32 products, rounded to fp16 as AutoAWQ computes them), as does the
-    dequantization by hand, and the test folders' packer reproduces AutoAWQ's bytes."""
+    """AutoAWQ's own packing and fp16 dequantization of two layers (``tests/data``): AutoAWQ gives back
+    the weight it packed, every box the loader reads equals AutoAWQ's values (fp32 products, rounded to
+    fp16 as AutoAWQ computes them), as does the dequantization by hand, and the test folders' packer
+    reproduces AutoAWQ's bytes."""
     from lightning_ep.models.hf_formats import encode
     from lightning_ep.models.hf_stored import stored_tensors
     from lightning_ep.moe.quantized import unpack_awq
 
     reference, group = awq_reference(), int(variant[1:])
     theirs = reference[f"{variant}.dequantized"]
+    assert torch.equal(theirs.float(), reference[f"{variant}.source"])  # the packed weight, given back
     assert torch.equal(awq_dequantize_by_hand(reference, variant, group).half(), theirs)
     q, zeros = unpack_awq(reference[f"{variant}.qweight"]).t(), unpack_awq(reference[f"{variant}.qzeros"]).t()
     for name, value in awq_pack(q, zeros, reference[f"{variant}.scales"].t()).items():
